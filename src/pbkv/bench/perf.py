@@ -1,0 +1,48 @@
+"""Speed figures: simulator throughput and eviction cost. Benchmarks, not tests."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
+from pbkv.engine.profiles import load_profile
+from pbkv.policy import PolicyContext, make_policy
+
+
+def sim_speed(workload: str, workflows: int, concurrency: int, policy: str) -> dict:
+    from pbkv.workloads import generate, load_spec
+    spec = load_spec(workload)
+    wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
+    start = time.perf_counter()
+    record = simulate(wl, RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b")))
+    seconds = time.perf_counter() - start
+    return {"calls": record["calls"], "seconds": seconds, "calls_per_minute": record["calls"] / seconds * 60}
+
+
+def evict_speed(nodes: int, policy: str, seed: int = 0) -> dict:
+    """Build a tree of `nodes` device nodes (one-block prompts under 1,000 shared prefixes),
+    then evict 10% of them one eviction call at a time, as an engine under pressure does."""
+    rng = random.Random(seed)
+    block = 16
+    pol = make_policy(policy, PolicyContext(block_size=block, agent_graph={"START": ["a"]}))
+    cache = TieredCache(RadixTree(block), Capacities(device=nodes * block * 2, host=0), pol)
+    pol.bind(cache)
+    prefixes = 1000
+    next_id = prefixes
+    for p in range(prefixes):
+        cache.reserve(block)
+        cache.insert([p], block, float(p))
+    for i in range(nodes - prefixes):
+        p = rng.randrange(prefixes)
+        cache.reserve(block)
+        cache.insert([p, next_id], block, float(prefixes + i))
+        next_id += 1
+    assert len(cache.tree.index) == nodes
+    evict = nodes // 10
+    start = time.perf_counter()
+    for _ in range(evict):
+        cache.evict(Tier.DEVICE, block)
+    seconds = time.perf_counter() - start
+    return {"nodes": nodes, "evicted": evict, "seconds": seconds, "us_per_node": seconds / evict * 1e6}

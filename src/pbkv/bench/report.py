@@ -1,0 +1,82 @@
+"""Show and save a sweep: a table per workload, the JSON records, PNG plots per workload."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(v, pct=False):
+    if v is None:
+        return "-"
+    if pct:
+        return f"{100 * v:.1f}"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def tables(records: list[dict]) -> list[Table]:
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        rows = [r for r in records if r["workload"] == workload]
+        first = rows[0]
+        t = Table(title=f"{workload}: {first['workflows']} workflows; KV tokens device {first['device_tokens']:,}, "
+                        f"host {first['host_tokens']:,}, disk {first['disk_tokens']:,}",
+                  caption="lat/p99: workflow latency s; hit: % of prompt tokens; recomp: M tokens "
+                          "recomputed; GB in: loaded to device; xLRU: LRU latency / policy latency")
+        for col in ("conc", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB in", "xLRU"):
+            t.add_column(col, justify="right", no_wrap=True)
+        for r in rows:
+            t.add_row(str(r["concurrency"] or "open"), r["policy"], _fmt(r["mean_workflow_latency_s"]),
+                      _fmt(r["p99_workflow_latency_s"]), _fmt(r["mean_ttft_s"]),
+                      _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True),
+                      _fmt(r["disk_hit_rate"], True), f"{r['recomputed_tokens'] / 1e6:.2f}",
+                      f"{r['bytes_loaded'] / 1e9:.0f}", f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
+        out.append(t)
+    return out
+
+
+def print_tables(records: list[dict], console: Console | None = None) -> None:
+    console = console or Console()
+    for t in tables(records):
+        console.print(t)
+
+
+def write_json(records: list[dict], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=1) + "\n")
+    return path
+
+
+def write_plots(records: list[dict], out: Path) -> list[Path]:
+    """Per workload: speedup over LRU and device hit rate against concurrency, one line per policy."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        rows = [r for r in records if r["workload"] == workload and r["concurrency"] is not None]
+        if not rows:
+            continue
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for policy in dict.fromkeys(r["policy"] for r in rows):
+            pts = [r for r in rows if r["policy"] == policy]
+            xs = [r["concurrency"] for r in pts]
+            ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=policy)
+            ax2.plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=policy)
+        ax1.set(title=f"{workload}: speedup over LRU", xlabel="concurrent workflows",
+                ylabel="LRU mean workflow latency / policy's")
+        ax2.set(title=f"{workload}: device hit rate", xlabel="concurrent workflows", ylabel="% of prompt tokens")
+        for ax in (ax1, ax2):
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        path = out / f"{workload}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,115 @@
+"""A benchmark sweep: every (workload, concurrency, policy) run, side by side, in parallel.
+
+Records are returned in a fixed order (workload, concurrency, policy as given) and rounded, so
+the same arguments and seed give byte-identical JSON whatever the worker count."""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.engine.profiles import load_profile
+from pbkv.trace import read_trace
+
+RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "calls",
+               "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
+               "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
+               "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
+               "device_tokens", "host_tokens", "disk_tokens", "makespan_s")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a workload comes from: a generator spec (built-in name or file) or a trace file."""
+
+    name: str
+    spec: str | None = None
+    trace: str | None = None
+    workflows: int = 400
+    seed: int = 0
+
+
+@dataclass
+class SweepConfig:
+    sources: list[Source]
+    policies: list[str]
+    concurrency: list[int | None]
+    profile: str = "a6000-qwen3-32b"
+    device_tokens: int | None = None
+    host_tokens: int | None = None
+    disk_tokens: int | None = None
+    jobs: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
+    options: dict = field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=8)
+def load_workload(source: Source) -> Workload:
+    """Generate or read a workload once per process."""
+    if source.trace:
+        trace = read_trace(source.trace)
+        return Workload(source.name, trace)
+    from pbkv.workloads import generate, load_spec
+    spec = load_spec(source.spec)
+    return Workload(source.name, generate(spec, source.workflows, source.seed), spec.edges())
+
+
+def _run_one(args: tuple) -> dict:
+    source, policy, concurrency, cfg = args
+    run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile),
+                    device_tokens=cfg.device_tokens, host_tokens=cfg.host_tokens,
+                    disk_tokens=cfg.disk_tokens, options=cfg.options)
+    record = simulate(load_workload(source), run)
+    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine="sim")
+    return record
+
+
+def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
+    """Run every configuration; `on_done(record)` is called as each finishes (any order)."""
+    jobs = [(s, p, c, cfg) for s in cfg.sources for c in cfg.concurrency for p in cfg.policies]
+    results: list[dict | None] = [None] * len(jobs)
+    if cfg.jobs <= 1 or len(jobs) == 1:
+        for i, job in enumerate(jobs):
+            results[i] = _run_one(job)
+            if on_done:
+                on_done(results[i])
+    else:
+        with ProcessPoolExecutor(max_workers=cfg.jobs) as pool:
+            futures = {pool.submit(_run_one, job): i for i, job in enumerate(jobs)}
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if on_done:
+                    on_done(results[futures[fut]])
+    return finish_records(results)
+
+
+def finish_records(records: list[dict]) -> list[dict]:
+    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records, round floats."""
+    lru = {(r["workload"], r["concurrency"]): r for r in records if r["policy"] == "lru"}
+    out = []
+    for r in records:
+        rec = {k: r[k] for k in RECORD_KEYS if k in r}
+        base = lru.get((r["workload"], r["concurrency"]))
+        if base is not None and r["policy"] != "lru":
+            rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / r["mean_workflow_latency_s"]
+            rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)
+            rec["device_hit_ratio_vs_lru"] = r["device_hit_rate"] / max(base["device_hit_rate"], 1e-12)
+        out.append({k: _round(v) for k, v in rec.items()})
+    return out
+
+
+def _round(v):
+    return float(f"{v:.6g}") if isinstance(v, float) else v
+
+
+def source_from_arg(value: str, workflows: int, seed: int) -> Source:
+    """A built-in workload name, a spec file (.yaml/.yml/.json) or a trace (.jsonl/.jsonl.gz)."""
+    path = Path(value)
+    if value.endswith((".jsonl", ".jsonl.gz")):
+        name = path.name.split(".")[0]
+        return Source(name=name, trace=str(path))
+    name = path.stem if path.suffix in (".yaml", ".yml", ".json") else value
+    return Source(name=name, spec=value, workflows=workflows, seed=seed)

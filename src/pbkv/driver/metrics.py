@@ -1,0 +1,67 @@
+"""What a run measured: per-call and per-workflow records, summarised into one flat record.
+
+Hit rates are fractions of prompt tokens by where their KV came from when the call was served:
+device (already resident, prefetched included), host, disk; the rest was recomputed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pbkv.engine.request import Request
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class Recorder:
+    ttft: list[float] = field(default_factory=list)
+    call_latency: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    device_hit: int = 0
+    host_hit: int = 0
+    disk_hit: int = 0
+    recomputed: int = 0
+    calls: int = 0
+    starts: dict[int, float] = field(default_factory=dict)
+    latency: list[float] = field(default_factory=list)
+    end_time: float = 0.0
+
+    def workflow_started(self, i: int, workflow_id: str, now: float) -> None:
+        self.starts[i] = now
+
+    def workflow_finished(self, i: int, now: float) -> None:
+        self.latency.append(now - self.starts.pop(i))
+        self.end_time = max(self.end_time, now)
+
+    def call_finished(self, req: Request) -> None:
+        self.calls += 1
+        self.ttft.append(req.first_token - req.arrival)
+        self.call_latency.append(req.finished - req.arrival)
+        self.prompt_tokens += req.call.input_length
+        self.device_hit += req.device_hit
+        self.host_hit += req.host_hit
+        self.disk_hit += req.disk_hit
+        self.recomputed += req.recomputed
+
+    def summary(self) -> dict:
+        n = max(1, self.prompt_tokens)
+        return {
+            "workflows": len(self.latency),
+            "calls": self.calls,
+            "mean_workflow_latency_s": sum(self.latency) / max(1, len(self.latency)),
+            "p99_workflow_latency_s": percentile(self.latency, 99) if self.latency else 0.0,
+            "mean_ttft_s": sum(self.ttft) / max(1, len(self.ttft)),
+            "p99_ttft_s": percentile(self.ttft, 99) if self.ttft else 0.0,
+            "device_hit_rate": self.device_hit / n,
+            "host_hit_rate": self.host_hit / n,
+            "disk_hit_rate": self.disk_hit / n,
+            "recomputed_tokens": self.recomputed,
+            "prompt_tokens": self.prompt_tokens,
+            "makespan_s": self.end_time,
+        }

@@ -1,0 +1,77 @@
+"""Run workflows against an engine: closed-loop lanes or open-loop arrivals, honouring tool waits.
+
+- closed loop: `concurrency` lanes; each runs workflows back to back in trace order;
+- open loop: each workflow starts at the `t` of its first call (its later calls follow their
+  predecessors, as a dependent workflow must).
+Inside a workflow, call j+1 is issued when call j has finished plus call j+1's `tool_wait`.
+The engine hears of workflow starts and ends (the policy's lifecycle signals) from here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from pbkv.driver.metrics import Recorder
+from pbkv.engine.request import Request
+from pbkv.trace import Call
+
+
+class Engine(Protocol):
+    now: float
+
+    def at(self, when: float, fn) -> None: ...
+    def start_workflow(self, workflow: int, workflow_id: str) -> None: ...
+    def end_workflow(self, workflow: int) -> None: ...
+    def submit(self, req: Request) -> None: ...
+    def run(self) -> None: ...
+
+
+class Replay:
+    """Drives `workflows` (each a list of calls in step order) through `engine`."""
+
+    def __init__(self, engine: Engine, workflows: list[list[Call]], concurrency: int | None,
+                 recorder: Recorder, progress=None):
+        self.engine = engine
+        self.workflows = workflows
+        self.concurrency = concurrency
+        self.recorder = recorder
+        self.progress = progress  # called with the number of finished workflows
+        self._queue = deque(range(len(workflows)))
+        self._finished = 0
+
+    def run(self) -> Recorder:
+        if self.concurrency is None:
+            for i, calls in enumerate(self.workflows):
+                self.engine.at(calls[0].t or 0.0, lambda i=i: self._start(i))
+            self._queue.clear()
+        else:
+            for _ in range(min(self.concurrency, len(self.workflows))):
+                self._start(self._queue.popleft())
+        self.engine.run()
+        return self.recorder
+
+    def _start(self, i: int) -> None:
+        calls = self.workflows[i]
+        self.recorder.workflow_started(i, calls[0].workflow_id, self.engine.now)
+        self.engine.start_workflow(i, calls[0].workflow_id)
+        self._issue(i, 0)
+
+    def _issue(self, i: int, step: int) -> None:
+        call = self.workflows[i][step]
+        req = Request(call=call, workflow=i, on_done=self._done)
+        self.engine.at(self.engine.now + (call.tool_wait or 0.0), lambda: self.engine.submit(req))
+
+    def _done(self, req: Request) -> None:
+        self.recorder.call_finished(req)
+        i, step = req.workflow, req.call.step
+        if step + 1 < len(self.workflows[i]):
+            self._issue(i, step + 1)
+            return
+        self.engine.end_workflow(i)
+        self.recorder.workflow_finished(i, self.engine.now)
+        self._finished += 1
+        if self.progress:
+            self.progress(self._finished)
+        if self._queue:
+            self._start(self._queue.popleft())

@@ -1,0 +1,107 @@
+"""Hardware + model profiles for the simulator's cost model, with their sources.
+
+A profile is a JSON file (built-ins live in `engine/profiles/`); `load_profile` takes a built-in
+name or a path. Every number says where it comes from in the file's `sources`.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+GIB = 1024 ** 3
+
+
+class ModelShape(BaseModel):
+    name: str
+    params_b: float = Field(gt=0, description="parameters, billions")
+    layers: int = Field(gt=0)
+    heads: int = Field(gt=0, description="query heads")
+    kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    dtype_bytes: int = Field(2, gt=0)
+
+
+class GPUs(BaseModel):
+    name: str
+    count: int = Field(gt=0, description="GPUs serving one model instance (tensor parallel)")
+    memory_gib: float = Field(gt=0, description="per GPU")
+    tflops: float = Field(gt=0, description="dense bf16 tensor TFLOP/s per GPU")
+    hbm_gbps: float = Field(gt=0, description="memory bandwidth per GPU, GB/s")
+    pcie_gbps: float = Field(gt=0, description="host<->device bandwidth per GPU and direction, GB/s")
+
+
+class Profile(BaseModel):
+    """Everything the cost model needs; efficiencies turn peak numbers into achieved ones."""
+
+    name: str
+    description: str = ""
+    sources: list[str] = []
+    model: ModelShape
+    gpu: GPUs
+    mem_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory the server may use")
+    reserve_gib: float = Field(2.0, ge=0, description="per GPU: activations, graphs, fragmentation")
+    prefill_mfu: float = Field(0.5, gt=0, le=1)
+    decode_mfu: float = Field(0.3, gt=0, le=1)
+    decode_bw_eff: float = Field(0.7, gt=0, le=1, description="achieved share of HBM bandwidth in decode")
+    pcie_eff: float = Field(0.5, gt=0, le=1, description="achieved share of PCIe for paged KV copies")
+    load_latency_ms: float = Field(0.5, ge=0, description="fixed cost of one host->device load")
+    disk_gbps: float = Field(2.0, gt=0, description="disk read bandwidth, GB/s")
+    disk_latency_ms: float = Field(1.0, ge=0)
+    step_overhead_ms: float = Field(2.0, ge=0, description="per forward pass: scheduling, launches, TP sync")
+    max_prefill_tokens: int = Field(16384, gt=0, description="new tokens per prefill batch")
+    max_running: int = Field(256, gt=0, description="requests decoding at once")
+    host_ratio: float = Field(2.0, ge=0, description="host KV tokens = ratio x device KV tokens")
+    disk_tokens: int = Field(0, ge=0)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes, whole instance."""
+        m = self.model
+        return 2 * m.layers * m.kv_heads * m.head_dim * m.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.params_b * 1e9 * self.model.dtype_bytes
+
+    @property
+    def device_tokens(self) -> int:
+        """KV capacity: GPU memory x fraction - weights - reserve, over bytes per token."""
+        g = self.gpu
+        per_gpu = g.memory_gib * GIB * self.mem_fraction - self.weight_bytes / g.count - self.reserve_gib * GIB
+        if per_gpu <= 0:
+            raise ValueError(f"profile {self.name}: weights and reserve leave no KV memory")
+        return int(per_gpu * g.count // self.kv_bytes_per_token)
+
+    @property
+    def host_tokens(self) -> int:
+        return int(self.device_tokens * self.host_ratio)
+
+
+def builtin_profiles() -> list[str]:
+    folder = resources.files("pbkv.engine") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile name (see `builtin_profiles`) or a JSON file path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.exists():
+        text, where = path.read_text(), str(path)
+    elif name_or_path in builtin_profiles():
+        ref = resources.files("pbkv.engine") / "profiles" / f"{name_or_path}.json"
+        text, where = ref.read_text(), f"profile {name_or_path}"
+    else:
+        raise ValueError(f"unknown profile {name_or_path!r}: not a JSON file; built-in profiles: "
+                         f"{', '.join(builtin_profiles())}")
+    try:
+        return Profile.model_validate(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise ValueError(f"{where}: field '{loc}': {first['msg']}, got {first.get('input')!r}") from None

@@ -1,0 +1,35 @@
+"""A call being served: what the engine knows and measures about it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from pbkv.cache import Move, Node
+from pbkv.trace import Call
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    call: Call
+    workflow: int
+    on_done: Callable[[Request], None]
+    arrival: float = 0.0
+    # cache state
+    node: Node | None = None        # deepest locked node of its prompt (the request's pin)
+    move: Move | None = None        # pending load of its prefix from host/disk
+    loading: bool = False
+    counted: bool = False           # hits are counted once, when the request is first served
+    reserved: int = 0               # device tokens held: new prompt tokens + outputs
+    cached: int = 0                 # prompt tokens whose KV is on the device at prefill
+    # measurements (tokens of the prompt by where its KV came from; seconds)
+    device_hit: int = 0
+    host_hit: int = 0
+    disk_hit: int = 0
+    recomputed: int = 0
+    admitted: float = 0.0
+    first_token: float = 0.0
+    finished: float = 0.0
+    # decode bookkeeping
+    join_step: int = 0
+    finish_step: int = 0

@@ -1,0 +1,296 @@
+"""Discrete-event serving engine: continuous batching over the shared cache, time from a cost model.
+
+Each iteration is either a prefill pass (new requests, FCFS, up to `max_prefill_tokens` new
+tokens; prefill has priority, as in SGLang) or a run of decode steps. A decode run lasts until
+the first running request finishes or the next external event (an arrival, a finished load),
+so the loop costs O(events), not O(tokens): the batch is constant in between and its step time
+is taken at the run's start.
+
+Cache use per request (the same `TieredCache` and `Policy` objects a real engine would use):
+- when the scheduler first serves a request, its prompt is matched; a prefix in host/disk is
+  loaded back over the host link (a two-phase move; the request waits, others run: KVFlow's
+  status-aware scheduling); hits are counted per tier at that moment;
+- admission reserves device space for the new prompt tokens and the outputs (evicting in the
+  policy's order), and pins the matched path; after prefill the new blocks enter the tree;
+- while only decode runs, the policy may prefetch host nodes within the link's budget.
+Device->host copies of evicted nodes overlap with compute (full-duplex link): counted, not timed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from pbkv.cache import Node, Tier, TieredCache
+from pbkv.engine.cost import CostModel
+from pbkv.engine.request import Request
+from pbkv.policy import CallEvent, Policy, PrefetchRequest
+
+ADMITTED, LOADING, BLOCKED = "admitted", "loading", "blocked"
+
+
+class SimulationError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    prefill_passes: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    loads: int = 0
+    load_seconds: float = 0.0
+    prefetched_tokens: int = 0
+    policy_calls: int = 0
+
+
+class Simulator:
+    """The simulated engine. Drivers call `start_workflow`, `submit`, `end_workflow`, `at`, `run`."""
+
+    def __init__(self, cost: CostModel, cache: TieredCache, policy: Policy):
+        self.cost = cost
+        self.cache = cache
+        self.tree = cache.tree
+        self.policy = policy
+        self.block_size = cache.tree.block_size
+        self.now = 0.0
+        self.stats = EngineStats()
+        self.waiting: list[Request] = []
+        self._running: list[tuple[int, int, Request]] = []  # heap by finish step
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self._step = 0
+        self._sum_input = 0   # prompt tokens of running requests
+        self._sum_join = 0    # decode step at which each running request joined
+        self._link_free_at = 0.0
+        prof = cost.profile
+        self.max_prefill_tokens = prof.max_prefill_tokens
+        self.max_running = prof.max_running
+
+    # ------------------------------------------------------------------ driver API
+
+    def clock(self) -> float:
+        return self.now
+
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (max(when, self.now), self._seq, fn))
+
+    def start_workflow(self, workflow: int, workflow_id: str) -> None:
+        self.policy.on_workflow_start(workflow, workflow_id)
+
+    def end_workflow(self, workflow: int) -> None:
+        nodes = self.cache.end_workflow(workflow)
+        self.policy.on_workflow_end(workflow, nodes)
+
+    def submit(self, req: Request) -> None:
+        req.arrival = self.now
+        node, _ = self.tree.match(req.call.hash_ids)
+        self.policy.on_call_start(self._event(req, node))
+        self.waiting.append(req)
+
+    def run(self) -> None:
+        """Serve until no request, event or load is left."""
+        while True:
+            self._fire_events()
+            if self.waiting and self._prefill_round():
+                continue
+            if self._running:
+                self._decode_round()
+            elif self._events:
+                self.now = max(self.now, self._events[0][0])
+            elif self.waiting:
+                req = self.waiting[0]
+                raise SimulationError(
+                    f"stuck: call {req.call.workflow_id} step {req.call.step} needs "
+                    f"{req.call.input_length + req.call.output_length} device tokens; capacity "
+                    f"{self.cache.capacity.device}, evictable {self.cache.evictable(Tier.DEVICE)}")
+            else:
+                return
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _fire_events(self) -> None:
+        events = self._events
+        while events and events[0][0] <= self.now:
+            _, _, fn = heapq.heappop(events)
+            fn()
+
+    def _prefill_round(self) -> bool:
+        batch: list[Request] = []
+        flops, budget = 0.0, self.max_prefill_tokens
+        for req in self.waiting:
+            if req.loading:
+                continue
+            if len(self._running) + len(batch) >= self.max_running:
+                break
+            status = self._admit(req)
+            if status == BLOCKED:
+                break
+            if status == LOADING:
+                continue
+            new = req.call.input_length - req.cached
+            batch.append(req)
+            flops += self.cost.prefill_flops(new, req.cached)
+            budget -= new
+            if budget <= 0:
+                break
+        if not batch:
+            return False
+        admitted = set(map(id, batch))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        seconds = self.cost.prefill_seconds(flops)
+        self.now += seconds
+        self.stats.prefill_passes += 1
+        self.stats.prefill_seconds += seconds
+        for req in batch:
+            self._after_prefill(req)
+        return True
+
+    def _admit(self, req: Request) -> str:
+        """Match, then load the prefix from below or pin it and reserve space for the rest."""
+        call = req.call
+        node, matched = self.tree.match(call.hash_ids)
+        path = node.path() if matched else []
+        per_tier = [0, 0, 0]
+        for n in path:
+            per_tier[n.tier] += n.tokens if n.end <= matched else (matched - n.start) * self.block_size
+        over = sum(per_tier) - (call.input_length - 1)  # the last prompt token is always computed
+        if over > 0:
+            per_tier[path[-1].tier] -= over
+        lower = [n for n in path if n.tier != Tier.DEVICE]
+        if lower:
+            move = self.cache.prepare_load(lower, keep_lock=True)
+            if move is None:
+                return BLOCKED
+            self._count_hits(req, per_tier)
+            req.move, req.loading, req.node = move, True, lower[-1]
+            done_at = self._transfer(self._tokens_by_tier(lower))
+            self.at(done_at, lambda: self._load_done(req))
+            return LOADING
+        pin = path[-1] if path else None
+        if pin is not None:
+            self.tree.lock(pin)
+        cached = per_tier[Tier.DEVICE]
+        need = call.input_length - cached + call.output_length
+        if not self.cache.reserve(need):
+            if pin is not None:
+                self.tree.unlock(pin)
+            return BLOCKED
+        self._count_hits(req, per_tier)
+        if req.node is not None:  # the pin its load held
+            self.tree.unlock(req.node)
+        req.node, req.reserved, req.cached, req.admitted = pin, need, cached, self.now
+        if pin is not None:
+            self.tree.touch(pin, self.now, req.workflow, call.agent)
+        return ADMITTED
+
+    def _count_hits(self, req: Request, per_tier: list[int]) -> None:
+        if req.counted:
+            return
+        req.counted = True
+        req.device_hit, req.host_hit, req.disk_hit = per_tier
+        req.recomputed = req.call.input_length - sum(per_tier)
+
+    def _load_done(self, req: Request) -> None:
+        self.cache.complete(req.move)
+        req.move, req.loading = None, False
+
+    def _after_prefill(self, req: Request) -> None:
+        call = req.call
+        tail = call.input_length - self.block_size * (len(call.hash_ids) - 1)
+        node, added = self.cache.insert(call.hash_ids, tail, self.now)
+        req.reserved -= added
+        self.tree.lock(node)
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        req.node = node
+        self.tree.touch(node, self.now, req.workflow, call.agent)
+        req.first_token = self.now
+        remaining = call.output_length - 1
+        if remaining <= 0:
+            self._finish(req)
+            return
+        req.join_step, req.finish_step = self._step, self._step + remaining
+        self._seq += 1
+        heapq.heappush(self._running, (req.finish_step, self._seq, req))
+        self._sum_input += call.input_length
+        self._sum_join += self._step
+
+    def _decode_round(self) -> None:
+        running = self._running
+        batch = len(running)
+        context = self._sum_input + batch * (self._step + 1) - self._sum_join
+        dt = self.cost.decode_step_seconds(batch, context)
+        steps = running[0][0] - self._step
+        if self._events:
+            steps = min(steps, max(1, math.ceil((self._events[0][0] - self.now) / dt)))
+        self._prefetch(steps * dt)
+        self.now += steps * dt
+        self._step += steps
+        self.stats.decode_steps += steps
+        self.stats.decode_seconds += steps * dt
+        while running and running[0][0] <= self._step:
+            _, _, req = heapq.heappop(running)
+            self._sum_input -= req.call.input_length
+            self._sum_join -= req.join_step
+            self._finish(req)
+
+    def _finish(self, req: Request) -> None:
+        req.finished = self.now
+        self.cache.release(req.reserved)
+        req.reserved = 0
+        self.tree.touch(req.node, self.now, req.workflow, req.call.agent)  # recency = end of use
+        self.tree.unlock(req.node)
+        self.policy.on_call_end(self._event(req, req.node))
+        req.on_done(req)
+
+    # ------------------------------------------------------------------ transfers
+
+    def _tokens_by_tier(self, nodes: list[Node]) -> list[int]:
+        out = [0, 0, 0]
+        for n in nodes:
+            out[n.tier] += n.tokens
+        return out
+
+    def _transfer(self, tokens_by_tier: list[int]) -> float:
+        """Queue a load on the host->device link; return when it completes."""
+        seconds = self.cost.load_seconds(tokens_by_tier)
+        start = max(self.now, self._link_free_at)
+        self._link_free_at = start + seconds
+        self.stats.loads += 1
+        self.stats.load_seconds += seconds
+        return self._link_free_at
+
+    def _prefetch(self, seconds: float) -> None:
+        """A decode-only run: offer the policy the link's idle capacity for host->device loads."""
+        budget = int(self.cost.tokens_per_second_pcie() * seconds)
+        if budget <= 0 or self._link_free_at > self.now:
+            return
+        self.stats.policy_calls += 1
+        wanted = self.policy.prefetch(PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
+        for node in wanted:
+            segment = []
+            n = node
+            while n.tier != Tier.DEVICE:
+                segment.append(n)
+                n = n.parent
+            segment.reverse()
+            tokens = sum(n.tokens for n in segment)
+            if not segment or tokens > budget or any(n.lock for n in segment):
+                continue
+            move = self.cache.prepare_load(segment, keep_lock=False,
+                                           allow_evict=self.policy.allow_evict_for_prefetch)
+            if move is None:
+                continue
+            budget -= tokens
+            self.stats.prefetched_tokens += tokens
+            done_at = self._transfer(self._tokens_by_tier(segment))
+            self.at(done_at, lambda m=move: self.cache.complete(m))
+
+    def _event(self, req: Request, node: Node | None) -> CallEvent:
+        call = req.call
+        return CallEvent(req.workflow, call.agent, call.step, call, node or self.tree.root, self.now)

@@ -1,0 +1,105 @@
+"""The policy interface: how to rank cache nodes, what to keep, what to load ahead.
+
+A policy is a small class. The cache calls `priority` (smaller is evicted first; ties fall to
+the node id, so orders are deterministic), `keep_on_evict` and `on_evict`; the engine calls the
+event hooks and, while it runs decode-only batches, `prefetch`. Every hook defaults to a no-op,
+and the default ranking is LRU, so a policy only writes the rules that differ.
+
+A policy whose ranking changes without the node changing (new predictions, a workflow ending)
+must call `self.cache.refresh(node)` for each node whose key moved: keys are computed when a
+node enters the eviction index, not on every comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from pbkv.cache import Node, Tier, TieredCache
+
+if TYPE_CHECKING:
+    from pbkv.policy.future import Future
+    from pbkv.trace import Call
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may know when it is built.
+
+    `agent_graph` is the static workflow graph (agent -> possible next agents, with "START" and
+    "END"), known to a developer who wrote the workflow; `static_sequence` is the agent order
+    when the workflow is static; `future` is the replayed trace's future, only for the oracle."""
+
+    block_size: int = 16
+    agent_graph: dict[str, list[str]] = field(default_factory=dict)
+    static_sequence: list[str] | None = None
+    future: Future | None = None
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class CallEvent:
+    """A call starting or ending: who made it and the deepest node of its prompt's cached path."""
+
+    workflow: int
+    agent: str
+    step: int
+    call: Call
+    node: Node
+    now: float
+
+
+@dataclass
+class PrefetchRequest:
+    """An idle moment for host-to-device loads: the engine runs a decode-only batch.
+
+    `budget_tokens` is what the link can move during this batch; `free_tokens` is the device
+    space nobody holds. A policy returns nodes (in slower tiers) to load, best first; the engine
+    loads each with its not-yet-resident ancestors while budget and space last."""
+
+    budget_tokens: int
+    free_tokens: int
+    now: float
+
+
+class Policy:
+    """Base class: LRU ranking, keep everything on eviction, no prefetch, no-op hooks."""
+
+    name = "base"
+    allow_evict_for_prefetch = False  # may a prefetch evict resident nodes to make room?
+
+    def __init__(self, ctx: PolicyContext):
+        self.ctx = ctx
+        self.cache: TieredCache | None = None
+
+    def bind(self, cache: TieredCache) -> None:
+        self.cache = cache
+
+    # ranking (called by the cache)
+    def priority(self, node: Node) -> tuple:
+        return (node.last_access,)
+
+    def keep_on_evict(self, node: Node) -> bool:
+        return True
+
+    def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
+        pass
+
+    # events (called by the engine)
+    def on_workflow_start(self, workflow: int, workflow_id: str) -> None:
+        pass
+
+    def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
+        """`nodes`: the live nodes the workflow touched (their tags no longer name it)."""
+
+    def on_call_start(self, event: CallEvent) -> None:
+        pass
+
+    def on_call_end(self, event: CallEvent) -> None:
+        pass
+
+    def prefetch(self, request: PrefetchRequest) -> list[Node]:
+        return []
+
+
+PolicyFactory = Callable[[PolicyContext], Policy]

@@ -1,0 +1,258 @@
+"""Read, validate and write TRACE_FORMAT v1 files (`.jsonl` or `.jsonl.gz`).
+
+Every rule of the format is checked; a bad line raises `TraceError` naming the file, the line,
+the field and the value. Nothing is skipped silently (blank lines carry no call and are allowed).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from pathlib import Path
+from contextlib import contextmanager
+from typing import IO, Iterable, Iterator
+
+from pbkv.trace.call import DEFAULT_BLOCK_SIZE, Call, Trace, TraceMeta
+
+CALL_FIELDS = ("workflow_id", "step", "agent", "workload", "t", "tool_wait", "input_length",
+               "output_length", "hash_ids", "context", "done")
+META_FIELDS = ("block_size", "source", "license", "notes")
+
+
+class TraceError(ValueError):
+    """A trace violates TRACE_FORMAT v1. The message names file, line, field and value."""
+
+
+@contextmanager
+def _open(path: Path, mode: str) -> Iterator[IO[str]]:
+    if path.suffix != ".gz":
+        with open(path, mode, encoding="utf-8") as f:
+            yield f
+        return
+    # no file name and mtime=0 in the header: the same trace gives byte-identical .gz files
+    with open(path, mode + "b") as raw, gzip.GzipFile(filename="", mode=mode + "b", fileobj=raw, mtime=0) as gz, \
+            io.TextIOWrapper(gz, encoding="utf-8") as f:
+        yield f
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+class _Checker:
+    """Validates one line's object; `where` is 'FILE:LINE' for messages."""
+
+    def __init__(self, where: str, obj: dict):
+        self.where, self.obj = where, obj
+
+    def fail(self, field: str, msg: str):
+        value = self.obj.get(field, None)
+        shown = "missing" if field not in self.obj else f"got {_show(value)}"
+        raise TraceError(f"{self.where}: field '{field}': {msg}, {shown}")
+
+    def required(self, field: str):
+        if field not in self.obj:
+            self.fail(field, "required field is missing")
+        return self.obj[field]
+
+    def int_field(self, field: str, minimum: int, required: bool = True):
+        if field not in self.obj and not required:
+            return None
+        v = self.required(field)
+        if not _is_int(v) or v < minimum:
+            self.fail(field, f"expected an integer >= {minimum}")
+        return v
+
+    def str_field(self, field: str, required: bool = True, nonempty: bool = True):
+        if field not in self.obj and not required:
+            return None
+        v = self.required(field)
+        if not isinstance(v, str) or (nonempty and not v):
+            self.fail(field, "expected a non-empty string" if nonempty else "expected a string")
+        return v
+
+    def float_field(self, field: str):
+        if field not in self.obj:
+            return None
+        v = self.obj[field]
+        if not _is_number(v) or v < 0:
+            self.fail(field, "expected a finite number >= 0")
+        return float(v)
+
+
+def parse_meta(obj: dict, where: str) -> TraceMeta:
+    chk = _Checker(where, obj)
+    if obj.get("pbkv_trace") != 1:
+        chk.fail("pbkv_trace", "only trace format version 1 is supported")
+    bs = chk.int_field("block_size", 1, required=False) or DEFAULT_BLOCK_SIZE
+    fields = {k: chk.str_field(k, required=False, nonempty=False) for k in ("source", "license", "notes")}
+    extra = {k: v for k, v in obj.items() if k not in META_FIELDS and k != "pbkv_trace"}
+    return TraceMeta(block_size=bs, extra=extra, **fields)
+
+
+def parse_call(obj: dict, where: str, block_size: int) -> Call:
+    """Check one call line against every per-line rule of the format and build the `Call`."""
+    chk = _Checker(where, obj)
+    wf = chk.str_field("workflow_id")
+    step = chk.int_field("step", 0)
+    agent = chk.str_field("agent")
+    input_length = chk.int_field("input_length", 1)
+    output_length = chk.int_field("output_length", 0)
+    hash_ids = chk.required("hash_ids")
+    if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
+        chk.fail("hash_ids", "expected a list of integers")
+    want = -(-input_length // block_size)
+    if len(hash_ids) != want:
+        chk.fail("hash_ids", f"expected {want} ids for input_length {input_length} and block_size "
+                             f"{block_size}, found {len(hash_ids)}")
+    done = obj.get("done")
+    if "done" in obj and not isinstance(done, bool):
+        chk.fail("done", "expected true or false")
+    context = chk.str_field("context", required=False, nonempty=False)
+    workload = chk.str_field("workload", required=False)
+    extra = {k: v for k, v in obj.items() if k not in CALL_FIELDS}
+    return Call(workflow_id=wf, step=step, agent=agent, input_length=input_length,
+                output_length=output_length, hash_ids=hash_ids, workload=workload,
+                t=chk.float_field("t"), tool_wait=chk.float_field("tool_wait"),
+                context=context, done=done, extra=extra)
+
+
+class _CrossLineChecks:
+    """Rules that span lines: duplicate steps, gaps, `done` placement, hash-id chaining."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.seen: dict[tuple[str, int], int] = {}  # (workflow, step) -> line
+        self.parent: dict[int, tuple[int | None, int, int]] = {}  # id -> (predecessor, position, line)
+
+    def add(self, call: Call, line: int):
+        key = (call.workflow_id, call.step)
+        if key in self.seen:
+            raise TraceError(f"{self.name}:{line}: field 'step': duplicate step {call.step} of workflow "
+                             f"{call.workflow_id!r} (first at line {self.seen[key]}), got {call.step}")
+        self.seen[key] = line
+        prev = None
+        for pos, h in enumerate(call.hash_ids):
+            known = self.parent.get(h)
+            if known is None:
+                self.parent[h] = (prev, pos, line)
+            elif known[0] != prev or known[1] != pos:
+                raise TraceError(
+                    f"{self.name}:{line}: field 'hash_ids': id {h} at position {pos} follows {prev}, but at "
+                    f"line {known[2]} it is at position {known[1]} after {known[0]} (ids must be chained), "
+                    f"got {_show(call.hash_ids)}")
+            prev = h
+
+    def finish(self, calls: list[Call], lines: list[int]):
+        steps: dict[str, list[tuple[int, int, Call]]] = {}
+        for call, line in zip(calls, lines):
+            steps.setdefault(call.workflow_id, []).append((call.step, line, call))
+        for wf, items in steps.items():
+            items.sort(key=lambda x: x[0])
+            for expect, (step, line, _) in enumerate(items):
+                if step != expect:
+                    raise TraceError(f"{self.name}:{line}: field 'step': workflow {wf!r} has no step "
+                                     f"{expect} (steps must be 0..n-1 without gaps), got {step}")
+            last = items[-1][0]
+            for step, line, call in items:
+                if call.done and step != last:
+                    raise TraceError(f"{self.name}:{line}: field 'done': true on step {step} but workflow "
+                                     f"{wf!r} continues to step {last}, got true")
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read and fully validate a trace file; raise `TraceError` on the first violation."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace file")
+    name = str(path)
+    meta = TraceMeta()
+    calls: list[Call] = []
+    lines: list[int] = []
+    cross = _CrossLineChecks(name)
+    with _open(path, "r") as f:
+        for lineno, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            where = f"{name}:{lineno}"
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise TraceError(f"{where}: expected a JSON object, got {_show(obj)}")
+            if "pbkv_trace" in obj:
+                if calls:
+                    raise TraceError(f"{where}: field 'pbkv_trace': the metadata line must come before "
+                                     f"every call, got {_show(obj['pbkv_trace'])}")
+                meta = parse_meta(obj, where)
+                continue
+            call = parse_call(obj, where, meta.block_size)
+            cross.add(call, lineno)
+            calls.append(call)
+            lines.append(lineno)
+    cross.finish(calls, lines)
+    return Trace(meta=meta, calls=calls, path=name)
+
+
+def validate(trace: Trace, name: str = "<trace>") -> None:
+    """Check an in-memory trace with the same rules as `read_trace` (used on generated traces)."""
+    cross = _CrossLineChecks(name)
+    for i, call in enumerate(trace.calls, 1):
+        parse_call(call_to_dict(call), f"{name}:call {i}", trace.block_size)
+        cross.add(call, i)
+    cross.finish(trace.calls, list(range(1, len(trace.calls) + 1)))
+
+
+def call_to_dict(call: Call) -> dict:
+    d = {"workflow_id": call.workflow_id, "step": call.step, "agent": call.agent}
+    for k in ("workload", "t", "tool_wait"):
+        v = getattr(call, k)
+        if v is not None:
+            d[k] = v
+    d["input_length"] = call.input_length
+    d["output_length"] = call.output_length
+    d["hash_ids"] = call.hash_ids
+    if call.context is not None:
+        d["context"] = call.context
+    if call.done is not None:
+        d["done"] = call.done
+    d.update(call.extra)
+    return d
+
+
+def meta_to_dict(meta: TraceMeta) -> dict:
+    d = {"pbkv_trace": 1, "block_size": meta.block_size}
+    for k in ("source", "license", "notes"):
+        v = getattr(meta, k)
+        if v is not None:
+            d[k] = v
+    d.update(meta.extra)
+    return d
+
+
+def iter_lines(trace: Trace) -> Iterable[str]:
+    yield json.dumps(meta_to_dict(trace.meta), separators=(",", ":"))
+    for call in trace.calls:
+        yield json.dumps(call_to_dict(call), separators=(",", ":"))
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Write the metadata line then one line per call; gzip when the name ends in `.gz`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _open(path, "w") as f:
+        for line in iter_lines(trace):
+            f.write(line + "\n")
+    return path

@@ -1,0 +1,253 @@
+"""A tiny, safe expression language for transition probabilities in workflow specs.
+
+An expression is parsed once with `ast`, checked against a whitelist, and turned into a tree of
+Python closures; evaluating it is then a few function calls (no `eval`/`exec`, no attribute access
+on arbitrary objects, no imports, no loops).
+
+Allowed: numbers, strings, booleans; names given by the caller; `ns.key` and `ns['key']` on the
+caller's dict namespaces (`visits['Name With Space']`, `visits[last]`); comparisons (chained too,
+and `in` / `not in`); `and`, `or`, `not`; `+ - * /` and unary minus; `min(...)`, `max(...)`;
+`a if cond else b`; list/tuple literals (for `in`).
+
+Invariants of a compiled `Expr`:
+- every name it reads exists in the namespaces it was compiled for, and every constant key of a
+  namespace with known keys is one of those keys (checked at compile time, not at run time);
+- a comparison of `ns.key` (or a scalar) with a constant uses a constant from that reference's
+  allowed values, when the caller provides them (catches typos such as `task.evidence == 'nosiy'`);
+- evaluating it never mutates the environment.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from typing import Callable, Collection, Mapping
+
+FUNCTIONS: dict[str, Callable] = {"min": min, "max": max}
+
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge,
+            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+Env = Mapping[str, object]
+Fn = Callable[[Env], object]
+
+
+class ExprError(ValueError):
+    """An expression is malformed, uses something outside the whitelist, or failed at run time."""
+
+
+class Expr:
+    """A compiled expression: call it with an environment dict (namespace name -> dict or scalar)."""
+
+    __slots__ = ("source", "_fn")
+
+    def __init__(self, source: str, fn: Fn):
+        self.source, self._fn = source, fn
+
+    def __call__(self, env: Env) -> object:
+        try:
+            return self._fn(env)
+        except ExprError:
+            raise
+        except Exception as e:  # e.g. division by zero, comparing None with a number
+            raise ExprError(f"evaluating {self.source!r} failed: {type(e).__name__}: {e}") from None
+
+    def __repr__(self) -> str:
+        return f"Expr({self.source!r})"
+
+
+def compile_expr(source: str, dicts: Mapping[str, Collection[str] | None], scalars: Collection[str] = (),
+                 choices: Mapping[str, Collection] | None = None, dict_default: Mapping[str, object] | None = None
+                 ) -> Expr:
+    """Parse and check `source`; return a fast evaluator.
+
+    dicts: namespace name -> its allowed keys (None: any key). `scalars`: plain names (e.g. `step`).
+    choices: reference ('task.hops', 'last') -> the constants it may be compared with.
+    dict_default: namespace -> value for a key missing at run time with a computed subscript
+    (e.g. `visits[last]` -> 0); other namespaces raise on a missing key.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ExprError("empty expression")
+    try:
+        tree = ast.parse(source.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ExprError(f"syntax error at column {e.offset or 0}: {e.msg}") from None
+    builder = _Builder(dicts, set(scalars), choices or {}, dict_default or {})
+    return Expr(source, builder.build(tree.body))
+
+
+class _Builder:
+    def __init__(self, dicts, scalars, choices, dict_default):
+        self.dicts, self.scalars, self.choices, self.dict_default = dicts, scalars, choices, dict_default
+
+    def fail(self, node: ast.AST, msg: str):
+        raise ExprError(f"at column {getattr(node, 'col_offset', 0) + 1}: {msg}")
+
+    def allowed_names(self) -> str:
+        return ", ".join([*self.dicts, *sorted(self.scalars), *FUNCTIONS])
+
+    def build(self, node: ast.AST) -> Fn:
+        method = getattr(self, "_" + type(node).__name__, None)
+        if method is None:
+            self.fail(node, f"{type(node).__name__} is not allowed (allowed: numbers, strings, booleans, "
+                            f"names, comparisons, and/or/not, + - * /, min, max, a if c else b)")
+        return method(node)
+
+    # ---- leaves
+    def _Constant(self, node: ast.Constant) -> Fn:
+        v = node.value
+        if not isinstance(v, (bool, int, float, str)):
+            self.fail(node, f"constant {v!r} is not allowed")
+        return lambda env: v
+
+    def _Name(self, node: ast.Name) -> Fn:
+        name = node.id
+        if name in self.scalars:
+            return lambda env: env[name]
+        if name in self.dicts:
+            self.fail(node, f"'{name}' is a namespace: use {name}.NAME or {name}['NAME']")
+        if name in FUNCTIONS:
+            self.fail(node, f"'{name}' is a function: call it, e.g. {name}(a, b)")
+        self.fail(node, f"unknown name '{name}' (allowed: {self.allowed_names()})")
+
+    def _namespace(self, node: ast.AST) -> str:
+        if isinstance(node, ast.Name) and node.id not in self.dicts and node.id not in self.scalars:
+            self.fail(node, f"unknown name '{node.id}' (allowed: {self.allowed_names()})")
+        if not isinstance(node, ast.Name) or node.id not in self.dicts:
+            self.fail(node, f"only the namespaces {', '.join(self.dicts)} can be indexed "
+                            f"(got {ast.unparse(node)!r})")
+        return node.id
+
+    def _key(self, node: ast.AST, ns: str, key: str) -> Fn:
+        known = self.dicts[ns]
+        if known is not None and key not in known:
+            self.fail(node, f"unknown {ns} key '{key}' (known: {', '.join(known) or 'none'})")
+        return lambda env: env[ns][key]
+
+    def _Attribute(self, node: ast.Attribute) -> Fn:
+        return self._key(node, self._namespace(node.value), node.attr)
+
+    def _Subscript(self, node: ast.Subscript) -> Fn:
+        ns = self._namespace(node.value)
+        index = node.slice
+        if isinstance(index, ast.Constant):
+            if not isinstance(index.value, str):
+                self.fail(index, f"{ns}[...] needs a string key, got {index.value!r}")
+            return self._key(node, ns, index.value)
+        key = self.build(index)  # computed key, e.g. visits[last]: checked when evaluated
+        if ns in self.dict_default:
+            default = self.dict_default[ns]
+            return lambda env: env[ns].get(key(env), default)
+
+        def lookup(env):
+            k = key(env)
+            try:
+                return env[ns][k]
+            except (KeyError, TypeError):
+                raise ExprError(f"no key {k!r} in {ns}") from None
+        return lookup
+
+    def _List(self, node: ast.List) -> Fn:
+        items = [self.build(e) for e in node.elts]
+        return lambda env: tuple(f(env) for f in items)
+
+    _Tuple = _List
+
+    # ---- operators
+    def _reference(self, node: ast.AST) -> str | None:
+        """'task.hops' for task.hops / task['hops'], 'last' for a scalar; None otherwise."""
+        if isinstance(node, ast.Name) and node.id in self.scalars:
+            return node.id
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            return f"{node.value.id}.{node.attr}"
+        if (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and isinstance(node.slice, ast.Constant)):
+            return f"{node.value.id}.{node.slice.value}"
+        return None
+
+    def _check_choice(self, ref_node: ast.AST, const_node: ast.AST):
+        ref = self._reference(ref_node)
+        if ref is None or ref not in self.choices or not isinstance(const_node, ast.Constant):
+            return
+        allowed = self.choices[ref]
+        if const_node.value not in allowed:
+            shown = ", ".join(repr(a) for a in allowed)
+            self.fail(const_node, f"{ref} is never {const_node.value!r} (its values: {shown})")
+
+    def _Compare(self, node: ast.Compare) -> Fn:
+        operands = [node.left, *node.comparators]
+        for op, a, b in zip(node.ops, operands, operands[1:]):
+            if type(op) not in _COMPARE:
+                self.fail(node, f"comparison {type(op).__name__} is not allowed")
+            if isinstance(op, (ast.Eq, ast.NotEq)):
+                self._check_choice(a, b)
+                self._check_choice(b, a)
+            elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(b, (ast.List, ast.Tuple)):
+                for e in b.elts:
+                    self._check_choice(a, e)
+        fns = [self.build(e) for e in operands]
+        ops = [_COMPARE[type(op)] for op in node.ops]
+        if len(ops) == 1:
+            f, a, b = ops[0], fns[0], fns[1]
+            return lambda env: f(a(env), b(env))
+
+        def chain(env):
+            left = fns[0](env)
+            for op, g in zip(ops, fns[1:]):
+                right = g(env)
+                if not op(left, right):
+                    return False
+                left = right
+            return True
+        return chain
+
+    def _BoolOp(self, node: ast.BoolOp) -> Fn:
+        fns = [self.build(v) for v in node.values]
+        if isinstance(node.op, ast.And):
+            def all_(env):
+                v = True
+                for f in fns:
+                    v = f(env)
+                    if not v:
+                        return v
+                return v
+            return all_
+
+        def any_(env):
+            v = False
+            for f in fns:
+                v = f(env)
+                if v:
+                    return v
+            return v
+        return any_
+
+    def _UnaryOp(self, node: ast.UnaryOp) -> Fn:
+        f = self.build(node.operand)
+        if isinstance(node.op, ast.Not):
+            return lambda env: not f(env)
+        if isinstance(node.op, ast.USub):
+            return lambda env: -f(env)
+        if isinstance(node.op, ast.UAdd):
+            return f
+        self.fail(node, f"operator {type(node.op).__name__} is not allowed")
+
+    def _BinOp(self, node: ast.BinOp) -> Fn:
+        if type(node.op) not in _BINARY:
+            self.fail(node, f"operator {type(node.op).__name__} is not allowed (allowed: + - * /)")
+        op, a, b = _BINARY[type(node.op)], self.build(node.left), self.build(node.right)
+        return lambda env: op(a(env), b(env))
+
+    def _IfExp(self, node: ast.IfExp) -> Fn:
+        c, a, b = self.build(node.test), self.build(node.body), self.build(node.orelse)
+        return lambda env: a(env) if c(env) else b(env)
+
+    def _Call(self, node: ast.Call) -> Fn:
+        if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS:
+            self.fail(node, f"only {', '.join(FUNCTIONS)} can be called")
+        if node.keywords or len(node.args) < 2 or any(isinstance(a, ast.Starred) for a in node.args):
+            self.fail(node, f"{node.func.id}() takes two or more plain arguments")
+        f, args = FUNCTIONS[node.func.id], [self.build(a) for a in node.args]
+        return lambda env: f(*(g(env) for g in args))

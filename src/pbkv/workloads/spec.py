@@ -1,0 +1,352 @@
+"""Workflow specs: the one language every synthetic workload is written in (a YAML or JSON file).
+
+A spec names the agents (fixed prompt size, output size, an optional tool that runs after the call,
+whose outputs each agent sees, which turn variables it re-draws), the task (statement size and hidden
+variables drawn once per workflow, revealed only through noisy words), turn variables, and the flow
+(start agent, transition lists whose probabilities are numbers or expressions, a step cap).
+`generate.py` turns a spec into a trace; the built-ins in `builtin/` are written in this language.
+
+Invariants of a `WorkflowSpec`, however it was built (checked at construction, never at generation):
+- every agent named in `flow.start`, `flow.transitions` (keys and `to`) and `sees` exists; a `to`
+  may also be END; no agent is called END or START;
+- every name in an agent's `draw` is a turn variable; `persist` is set only on turn variables;
+- ranges have lo <= hi; token counts are > 0 (prompt tokens 1..100000); waits are >= 0;
+- a variable's values are distinct scalars; its weights match them in number, are >= 0 and sum
+  to > 0; its `words` (if any) give a non-empty list for every value, and no word names two values;
+- every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
+  0), or an expression that parses and reads only known names (`task.*`, `turn.*`, `visits.*` with
+  existing keys, `step`, `last`, `min`, `max`).
+Errors read "FILE: field.path[i].name: what is wrong (got VALUE)", one line per problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, \
+    model_validator
+
+from pbkv.workloads.expr import Expr, ExprError, compile_expr
+
+END, START = "END", "START"
+REST = "rest"  # p of the remaining probability: max(0, 1 - sum of the list's other p's)
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+SUFFIXES = (".yaml", ".yml", ".json")
+
+
+class SpecError(ValueError):
+    """A spec file or dict is invalid; the message names the file, the field path and the value."""
+
+
+# ---------------------------------------------------------------- field types
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _range(integer: bool, minimum: float):
+    """Validator for `n` or `[lo, hi]` -> (lo, hi), both >= minimum, lo <= hi."""
+    kind = "an integer" if integer else "a number"
+
+    def check(v: Any) -> tuple:
+        items = list(v) if isinstance(v, (list, tuple)) else [v, v]
+        ok = len(items) == 2 and all(_number(x) and (not integer or float(x).is_integer()) for x in items)
+        if not ok or items[0] > items[1] or items[0] < minimum:
+            raise ValueError(f"expected {kind} >= {minimum:g} or [lo, hi] of such with lo <= hi")
+        return tuple(int(x) for x in items) if integer else tuple(float(x) for x in items)
+    return BeforeValidator(check)
+
+
+def _prob(v: Any) -> float | str:
+    if _number(v) and v >= 0:
+        return float(v)
+    if isinstance(v, str) and v.strip():
+        return v
+    raise ValueError("expected a number >= 0 or an expression string")
+
+
+def _start(v: Any) -> Any:
+    return [{"to": v}] if isinstance(v, str) else v  # `start: planner` is `start: [{to: planner}]`
+
+
+Tokens = Annotated[tuple[int, int], _range(True, 1)]
+Seconds = Annotated[tuple[float, float], _range(False, 0)]
+Prob = Annotated[float | str, BeforeValidator(_prob)]
+Count = Annotated[int, Field(strict=True, ge=1, le=100_000)]
+
+
+def value_key(v: Any) -> str:
+    """How a variable value is matched with the keys of `words` (YAML gives 2, JSON gives "2")."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)  # a misspelt field is an error, not ignored
+
+
+# ---------------------------------------------------------------- models
+
+class VarSpec(_Model):
+    """A hidden variable: drawn from `values` by `weights`; `words` reveal it, wrong with prob. `noise`."""
+
+    values: list[Any] = Field(min_length=1)
+    weights: list[float] | None = None  # None: uniform
+    words: dict[Any, list[str]] | None = None  # value -> words that reveal it in `context`
+    noise: float = Field(0.0, ge=0, le=1)  # prob. the word comes from a (uniformly chosen) wrong value
+    persist: float = Field(0.0, ge=0, le=1)  # turn vars: prob. a re-draw keeps the previous value
+
+    @field_validator("values")
+    @classmethod
+    def _scalars(cls, values: list) -> list:
+        for v in values:
+            if not (isinstance(v, (str, bool)) or _number(v)):
+                raise ValueError(f"values must be strings, numbers or booleans, got {v!r}")
+        keys = [value_key(v) for v in values]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"values must be distinct, repeated: {', '.join(dup)}")
+        return values
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, weights, info):
+        values = info.data.get("values")
+        if weights is None or values is None:
+            return weights
+        if len(weights) != len(values):
+            raise ValueError(f"has {len(weights)} weights for {len(values)} values")
+        if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+            raise ValueError("weights must be >= 0 and sum to more than 0")
+        return weights
+
+    @field_validator("words")
+    @classmethod
+    def _words(cls, words, info):
+        values = info.data.get("values")
+        if words is None or values is None:
+            return words
+        known = {value_key(v) for v in values}
+        out = {value_key(k): ws for k, ws in words.items()}
+        extra = sorted(set(out) - known)
+        if extra:
+            raise ValueError(f"words for unknown value(s) {', '.join(extra)} (values: {', '.join(sorted(known))})")
+        missing = [value_key(v) for v in values if not out.get(value_key(v))]
+        if missing:
+            raise ValueError(f"no words for value(s) {', '.join(missing)}: every value needs at least one, "
+                             f"or a missing word would itself reveal the value")
+        owner: dict[str, str] = {}
+        for k, ws in out.items():
+            for w in ws:
+                if owner.setdefault(w, k) != k:
+                    raise ValueError(f"word {w!r} is listed for both {owner[w]} and {k}")
+        return out
+
+    def words_for(self, value: Any) -> list[str] | None:
+        return None if self.words is None else self.words[value_key(value)]
+
+
+class ToolSpec(_Model):
+    """A tool (or user) that runs after the agent's call: its result joins the history."""
+
+    tokens: Tokens
+    wait: Seconds = (0.0, 0.0)  # seconds outside the LLM; the `tool_wait` of the next call
+
+
+class AgentSpec(_Model):
+    prompt: Count  # fixed prompt tokens (role, tools, examples): the same in every workflow
+    output: Tokens
+    tool: ToolSpec | None = None
+    sees: list[str] | None = None  # agents whose outputs/tool results this agent's prompt shows; None: all
+    draw: list[str] = []  # turn variables re-drawn just before this agent's call
+
+
+class TaskSpec(_Model):
+    text: str = ""  # a short description of the task, the start of every call's `context`
+    tokens: Tokens  # the task statement: first item of every workflow's history
+    vars: dict[str, VarSpec] = {}
+
+
+class Transition(_Model):
+    to: str
+    p: Prob = 1.0
+
+
+class FlowSpec(_Model):
+    start: Annotated[list[Transition], BeforeValidator(_start), Field(min_length=1)]
+    max_steps: Count = 100
+    transitions: dict[str, list[Transition]] = {}
+
+
+class WorkflowSpec(_Model):
+    """A whole workload family. Build with `load_spec` / `parse_spec` for file-aware error messages."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    block_size: Annotated[int, Field(strict=True, ge=1, le=4096)] = 16
+    preamble: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 0  # tokens shared by every agent
+    agents: dict[str, AgentSpec] = Field(min_length=1)
+    task: TaskSpec
+    turn_vars: dict[str, VarSpec] = {}
+    flow: FlowSpec
+
+    @model_validator(mode="after")
+    def _references(self) -> "WorkflowSpec":
+        errors = list(self._problems())
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    def _problems(self):
+        agents = list(self.agents)
+        known = ", ".join(agents)
+        turn_vars = ", ".join(self.turn_vars) or "none"
+        for a, spec in self.agents.items():
+            if a in (END, START) or not a:
+                yield f"agents.{a}: '{a}' cannot be an agent name"
+            for i, s in enumerate(spec.sees or []):
+                if s not in self.agents:
+                    yield f"agents.{a}.sees[{i}]: unknown agent {s!r} (known: {known})"
+            for i, d in enumerate(spec.draw):
+                if d not in self.turn_vars:
+                    yield f"agents.{a}.draw[{i}]: unknown turn variable {d!r} (known: {turn_vars})"
+        for v, var in self.task.vars.items():
+            if var.persist:
+                yield f"task.vars.{v}.persist: only turn_vars persist (task vars are drawn once), got {var.persist}"
+        lists = [("flow.start", self.flow.start, False)]
+        for a, items in self.flow.transitions.items():
+            if a not in self.agents:
+                yield f"flow.transitions.{a}: unknown agent {a!r} (known: {known})"
+            lists.append((f"flow.transitions.{a}", items, True))
+        for path, items, end_ok in lists:
+            for i, t in enumerate(items):
+                if t.to == END and not end_ok:
+                    yield f"{path}[{i}].to: a workflow cannot start with END (it needs at least one call)"
+                elif t.to not in self.agents and not (end_ok and t.to == END):
+                    yield f"{path}[{i}].to: unknown agent {t.to!r} (known: {known}{', or END' if end_ok else ''})"
+                if t.p == REST:
+                    if sum(u.p == REST for u in items) > 1:
+                        yield f"{path}[{i}].p: only one transition of a list can be {REST!r}"
+                elif isinstance(t.p, str):
+                    try:
+                        self.compile_p(t.p)
+                    except ExprError as e:
+                        yield f"{path}[{i}].p: {e} in {t.p!r}"
+
+    # ------------------------------------------------------------ helpers for the generator
+    def compile_p(self, p: float | str) -> float | Expr | None:
+        """A transition probability as a constant, a checked compiled expression, or None for 'rest'."""
+        if not isinstance(p, str):
+            return p
+        if p == REST:
+            return None
+        choices: dict[str, list] = {f"task.{k}": v.values for k, v in self.task.vars.items()}
+        choices.update({f"turn.{k}": v.values for k, v in self.turn_vars.items()})
+        choices["last"] = [START, *self.agents]
+        return compile_expr(p, {"task": list(self.task.vars), "turn": list(self.turn_vars),
+                                "visits": list(self.agents)},
+                            scalars=("step", "last"), choices=choices, dict_default={"visits": 0})
+
+    def edges(self) -> dict[str, list[str]]:
+        """The static agent graph: START and every agent -> each possible next agent or END.
+
+        A target whose p is the constant 0 is left out; an agent without transitions -> [END].
+        Not shown: ends caused by `max_steps` or by every p of a list evaluating to 0.
+        """
+        def targets(items):
+            return list(dict.fromkeys(t.to for t in items if isinstance(t.p, str) or t.p > 0)) or [END]
+        out = {START: targets(self.flow.start)}
+        for a in self.agents:
+            out[a] = targets(self.flow.transitions.get(a, []))
+        return out
+
+
+# ---------------------------------------------------------------- loading
+
+def builtin_names() -> list[str]:
+    """Names of the built-in specs (`builtin/*.yaml`)."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _format(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:  # cross-reference errors: already "path: message" lines
+            lines += [f"{source}: {m}" for m in msg.splitlines()]
+        elif e["type"] == "missing":
+            lines.append(f"{source}: {_path(e['loc'])}: required field is missing")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{source}: {_path(e['loc'])}: unknown field (check the spelling)")
+        else:
+            lines.append(f"{source}: {_path(e['loc'])}: {msg} (got {_show(e['input'])})")
+    return "\n".join(lines)
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> WorkflowSpec:
+    """Validate a dict (parsed YAML/JSON) into a `WorkflowSpec`; errors name `source` and field paths."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return WorkflowSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(_format(source, e)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a repeated key (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_spec(name_or_path: str | Path) -> WorkflowSpec:
+    """Load a built-in spec by name (`hover`) or a spec file (.yaml, .yml or .json)."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, str) and text in builtin_names():
+        path, source = BUILTIN_DIR / f"{text}.yaml", f"{text}.yaml"
+    else:
+        path, source = Path(name_or_path), text
+        if path.suffix.lower() not in SUFFIXES:
+            raise SpecError(f"{text}: not a built-in workload ({', '.join(builtin_names())}) "
+                            f"and not a {'/'.join(SUFFIXES)} file")
+        if not path.is_file():
+            raise SpecError(f"{text}: no such spec file")
+    try:
+        raw = path.read_text(encoding="utf-8")
+        data = json.loads(raw) if path.suffix.lower() == ".json" else yaml.load(raw, Loader=_UniqueKeyLoader)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise SpecError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    return parse_spec(data, source)

@@ -1,0 +1,43 @@
+"""Small builders for hand-made cache tests: a prompt is a string, one character per block."""
+
+from __future__ import annotations
+
+from pbkv.cache import Capacities, RadixTree, TieredCache
+from pbkv.policy import PolicyContext, make_policy
+
+BLOCK = 4
+_ids: dict[str, int] = {}
+
+
+def ids(prompt: str) -> list[int]:
+    """Chained block ids: equal prefixes give equal ids (as TRACE_FORMAT requires)."""
+    return [_ids.setdefault(prompt[: i + 1], len(_ids)) for i in range(len(prompt))]
+
+
+def make_cache(device: int, host: int = 0, disk: int = 0, policy: str = "lru", ctx: PolicyContext | None = None):
+    pol = make_policy(policy, ctx or PolicyContext(block_size=BLOCK))
+    cache = TieredCache(RadixTree(BLOCK), Capacities(device, host, disk), pol)
+    pol.bind(cache)
+    return cache, pol
+
+
+def put(cache: TieredCache, prompt: str, now: float, workflow: int | None = None, agent: str | None = None,
+        tail: int = BLOCK):
+    """Insert a prompt on the device the way an engine does: reserve, insert, touch."""
+    h = ids(prompt)
+    node, matched = cache.tree.match(h)
+    assert cache.reserve(len(prompt) * BLOCK)
+    leaf, added = cache.insert(h, tail, now)
+    cache.release(len(prompt) * BLOCK - added)
+    cache.tree.touch(leaf, now, workflow, agent)
+    cache.refresh(leaf)
+    return leaf
+
+
+def resident(cache: TieredCache) -> dict[str, list[str]]:
+    """Tier name -> sorted list of node labels (the prompt prefix up to each node's end)."""
+    label = {v: k for k, v in _ids.items()}
+    out: dict[str, list[str]] = {}
+    for n in cache.tree.iter_nodes():
+        out.setdefault(n.tier.name, []).append(label[n.blocks[-1]])
+    return {k: sorted(v) for k, v in out.items()}

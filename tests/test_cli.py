@@ -1,0 +1,83 @@
+"""The `pbkv` command end to end (typer's runner, real files)."""
+
+import json
+
+import pytest
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pbkv.cli import app
+
+runner = CliRunner()
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_gen_then_stats_then_bench_on_the_file(tmp_path):
+    out = tmp_path / "hover.jsonl.gz"
+    r = invoke("gen", "hover", "--workflows", 12, "--seed", 1, "-o", out)
+    assert r.exit_code == 0, r.output
+    r = invoke("trace", "stats", out, "--json", tmp_path / "s.json")
+    assert r.exit_code == 0 and "workflows 12" in r.output
+    assert json.loads((tmp_path / "s.json").read_text())["workflows"] == 12
+    r = invoke("bench", "--trace", out, "--concurrency", "4", "--device-tokens", 30000,
+               "--out", tmp_path / "res", "--jobs", 1)
+    assert r.exit_code == 0, r.output
+    records = json.loads((tmp_path / "res" / "bench.json").read_text())
+    assert {r["policy"] for r in records} == {"lru", "kvflow", "oracle"}
+    assert (tmp_path / "res" / "hover.png").exists()
+
+
+def test_bench_generated_workloads_and_table(tmp_path):
+    r = invoke("bench", "--workload", "finance,dialogue", "--workflows", 10, "--concurrency", "2,4",
+               "--policies", "kvflow", "--out", tmp_path, "--json", tmp_path / "x.json")
+    assert r.exit_code == 0, r.output
+    assert "finance: 10 workflows" in r.output and "dialogue" in r.output
+    records = json.loads((tmp_path / "x.json").read_text())
+    assert len(records) == 8 and records[0]["policy"] == "lru"  # LRU is always added as the reference
+
+
+def test_gen_from_spec_file(tmp_path):
+    spec = tmp_path / "mine.yaml"
+    spec.write_text("""
+name: mine
+agents:
+  a: {prompt: 600, output: [5, 10]}
+  b: {prompt: 700, output: 8}
+task: {tokens: 50}
+flow:
+  start: a
+  transitions:
+    a: [{to: b}]
+    b: [{to: END}]
+""")
+    r = invoke("gen", "--spec", spec, "--workflows", 3, "-o", tmp_path / "m.jsonl")
+    assert r.exit_code == 0, r.output
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 1 + 6
+
+
+def test_errors_are_clear_and_exit_2(tmp_path):
+    r = invoke("bench", "--policies", "lru,nope", "--out", tmp_path)
+    assert r.exit_code == 2 and "unknown policy 'nope'" in r.output
+    r = invoke("bench", "--profile", "tpu-v9", "--out", tmp_path)
+    assert r.exit_code == 2 and "unknown profile 'tpu-v9'" in r.output
+    r = invoke("bench", "--concurrency", "8,x", "--out", tmp_path)
+    assert r.exit_code == 2 and "--concurrency" in r.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"workflow_id": "w", "step": 0}\n')
+    r = invoke("bench", "--trace", bad, "--out", tmp_path)
+    assert r.exit_code == 2 and "bad.jsonl:1: field 'agent'" in r.output
+    r = invoke("gen", "nosuch", "-o", tmp_path / "x.jsonl")
+    assert r.exit_code == 2 and "nosuch" in r.output
+
+
+def test_trace_stats_on_real_trace_with_heldout():
+    f = SHARED / "chatdev-dev.jsonl"
+    if not f.exists():
+        pytest.skip("shared traces not present")
+    r = invoke("trace", "stats", f, "--heldout", f)
+    assert r.exit_code == 0 and "Markov top-1" in r.output and "H(next agent | current agent)" in r.output

@@ -1,0 +1,97 @@
+"""The simulated engine against hand-computed costs, cache reuse, and bench determinism."""
+
+import json
+
+import pytest
+
+from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.bench.sweep import Source, SweepConfig, run_sweep
+from pbkv.cache import Capacities, RadixTree, TieredCache
+from pbkv.driver import Recorder, Replay
+from pbkv.engine.cost import CostModel
+from pbkv.engine.profiles import load_profile
+from pbkv.engine.simulator import Simulator
+from pbkv.policy import PolicyContext, make_policy
+from pbkv.trace import Call, Trace, TraceMeta
+
+PROFILE = load_profile("a6000-qwen3-32b")
+
+
+def one_workflow(*calls):
+    return Workload("t", Trace(TraceMeta(block_size=16), list(calls)))
+
+
+def run(workload, device=100_000, host=0, policy="lru", concurrency=1):
+    cost = CostModel(PROFILE)
+    pol = make_policy(policy, PolicyContext(agent_graph=workload.agent_graph))
+    cache = TieredCache(RadixTree(16), Capacities(device, host), pol)
+    pol.bind(cache)
+    engine = Simulator(cost, cache, pol)
+    rec = Replay(engine, workload.workflows, concurrency, Recorder()).run()
+    return rec, engine, cost
+
+
+def test_single_call_costs_prefill_plus_decode_steps():
+    call = Call("w", 0, "a", 160, 5, list(range(10)))
+    rec, _, cost = run(one_workflow(call))
+    prefill = cost.prefill_seconds(cost.prefill_flops(160, 0))
+    decode = 4 * cost.decode_step_seconds(1, 161)
+    assert rec.latency == [pytest.approx(prefill + decode)]
+    assert rec.ttft == [pytest.approx(prefill)]
+    assert rec.recomputed == 160 and rec.device_hit == 0
+
+
+def test_repeated_prompt_hits_the_device_cache_and_tool_wait_counts():
+    a = Call("w", 0, "a", 160, 1, list(range(10)))
+    b = Call("w", 1, "a", 176, 1, list(range(11)), tool_wait=2.0)
+    rec, _, cost = run(one_workflow(a, b))
+    assert rec.device_hit == 160 and rec.recomputed == 160 + 16
+    second = cost.prefill_seconds(cost.prefill_flops(16, 160))
+    assert rec.latency[0] == pytest.approx(cost.prefill_seconds(cost.prefill_flops(160, 0)) + 2.0 + second)
+
+
+def test_evicted_prefix_comes_back_from_host_and_costs_a_load():
+    calls = [Call("w", 0, "a", 160, 1, list(range(10))),
+             Call("w", 1, "b", 160, 1, list(range(100, 110))),
+             Call("w", 2, "a", 160, 1, list(range(10)))]
+    rec, engine, cost = run(one_workflow(*calls), device=200, host=1000)
+    assert rec.host_hit == 159 and rec.device_hit == 0  # the last token is always computed
+    assert engine.stats.loads == 1
+    assert engine.stats.load_seconds == pytest.approx(cost.load_seconds([0, 160, 0]))
+
+
+def test_oversized_call_is_a_clear_error():
+    wl = one_workflow(Call("w", 0, "a", 160, 1, list(range(10))))
+    with pytest.raises(ValueError, match="needs 161 tokens, more than the device capacity of 100"):
+        simulate(wl, RunConfig("lru", 1, PROFILE, device_tokens=100))
+
+
+def test_closed_loop_runs_every_workflow_once_per_lane():
+    wl = Workload("t", Trace(TraceMeta(), [Call(f"w{i}", 0, "a", 32, 2, [i * 2, i * 2 + 1]) for i in range(5)]))
+    rec, _, _ = run(wl, concurrency=2)
+    assert len(rec.latency) == 5 and rec.calls == 5
+
+
+@pytest.fixture(scope="module")
+def small_sweep():
+    return SweepConfig(sources=[Source("hover", spec="hover", workflows=30, seed=3)],
+                       policies=["lru", "kvflow", "oracle"], concurrency=[4, 16], device_tokens=20_000, jobs=1)
+
+
+def test_sweep_records_have_the_required_fields(small_sweep):
+    records = run_sweep(small_sweep)
+    assert [(r["policy"], r["concurrency"]) for r in records] == [
+        ("lru", 4), ("kvflow", 4), ("oracle", 4), ("lru", 16), ("kvflow", 16), ("oracle", 16)]
+    for r in records:
+        for key in ("workload", "policy", "concurrency", "engine", "workflows", "calls", "mean_workflow_latency_s",
+                    "p99_workflow_latency_s", "mean_ttft_s", "device_hit_rate", "host_hit_rate", "disk_hit_rate",
+                    "recomputed_tokens", "bytes_loaded"):
+            assert key in r
+        assert ("speedup_vs_lru" in r) == (r["policy"] != "lru")
+        assert r["workflows"] == 30 and r["engine"] == "sim"
+
+
+def test_same_seed_gives_byte_identical_json(small_sweep):
+    a = json.dumps(run_sweep(small_sweep))
+    b = json.dumps(run_sweep(SweepConfig(**{**small_sweep.__dict__, "jobs": 2})))
+    assert a == b
