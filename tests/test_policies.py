@@ -73,16 +73,19 @@ def test_kvflow_static_sequence_gives_exact_positions():
 
 
 def test_oracle_evicts_farthest_next_use_first():
-    # Nominal schedule, one lane, 1 s per call: AB at 0, AC at 1, AB again at 2.
+    # One lane, 1 s per call: w0 runs AB, then w1 runs AC, then w2 runs AB again.
     calls = [Call(f"w{i}", 0, "x", len(p) * BLOCK, 1, ids(p)) for i, p in enumerate(["AB", "AC", "AB"])]
     future = Future([[c] for c in calls], BLOCK, 1, lambda c: 1.0)
     cache, pol = make_cache(100 * BLOCK, policy="oracle", ctx=PolicyContext(block_size=BLOCK, future=future))
     for i, p in enumerate(["AB", "AC", "DD"]):
         put(cache, p, float(i))
-    future.mark_started("w0", 0)
+    future.started("w0", 0.0)
+    future.call_ended("w0", 0, 1.0)
+    future.ended("w0")
+    assert (future.next_use(ids("AC")[1]), future.next_use(ids("AB")[1])) == (2.0, 3.0)
     for n in list(cache.tree.iter_nodes()):
         cache.refresh(n)
-    # DD is never used again; AB next at 2; AC next at 1; A (prefix of both) at 1 but last.
+    # DD is never used again; AB next at 3 (w2); AC next at 2 (w1); A (prefix of both) at 2, last.
     assert eviction_order(cache) == labels("DD", "AB", "AC", "A")
 
 

@@ -54,7 +54,7 @@ def bench(
     device_tokens: Optional[int] = typer.Option(None, min=1, help="Device KV capacity in tokens (default: from the profile)."),
     host_tokens: Optional[int] = typer.Option(None, min=0, help="Host KV capacity (default: profile host_ratio x device)."),
     disk_tokens: Optional[int] = typer.Option(None, min=0, help="Disk KV capacity (default: the profile's)."),
-    workflows: int = typer.Option(240, min=1, help="Workflows per generated workload."),
+    workflows: int = typer.Option(400, min=1, help="Workflows per generated workload."),
     seed: int = typer.Option(0, help="Seed of the generated workloads."),
     engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator)."),
     jobs: int = typer.Option(2, min=1, help="Parallel worker processes."),

@@ -80,7 +80,6 @@ def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
                             nominal_duration(cost, cfg.concurrency))
     policy = make_policy(cfg.policy, ctx)
     cache = TieredCache(RadixTree(workload.trace.block_size), caps, policy)
-    policy.bind(cache)
     engine = Simulator(cost, cache, policy)
     recorder = Replay(engine, workload.workflows, cfg.concurrency, Recorder(), progress).run()
     record = recorder.summary()

@@ -69,6 +69,7 @@ class Simulator:
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
         self.max_running = prof.max_running
+        policy.bind(cache, self.clock)
 
     # ------------------------------------------------------------------ driver API
 
@@ -102,6 +103,8 @@ class Simulator:
                 self._decode_round()
             elif self._events:
                 self.now = max(self.now, self._events[0][0])
+            elif self.waiting and self._unpin_waiting():
+                continue
             elif self.waiting:
                 req = self.waiting[0]
                 raise SimulationError(
@@ -154,10 +157,12 @@ class Simulator:
         """Match, then load the prefix from below or pin it and reserve space for the rest."""
         call = req.call
         node, matched = self.tree.match(call.hash_ids)
+        if matched and node.end > matched:  # pin and load only what matches
+            node = self.tree.split(node, matched - node.start)
         path = node.path() if matched else []
         per_tier = [0, 0, 0]
         for n in path:
-            per_tier[n.tier] += n.tokens if n.end <= matched else (matched - n.start) * self.block_size
+            per_tier[n.tier] += n.tokens
         over = sum(per_tier) - (call.input_length - 1)  # the last prompt token is always computed
         if over > 0:
             per_tier[path[-1].tier] -= over
@@ -187,6 +192,16 @@ class Simulator:
         if pin is not None:
             self.tree.touch(pin, self.now, req.workflow, call.agent)
         return ADMITTED
+
+    def _unpin_waiting(self) -> bool:
+        """Nothing runs and the queue head cannot fit: free the prefixes that queued requests
+        loaded and still pin (they will be matched again). Returns whether anything was freed."""
+        freed = False
+        for req in self.waiting[1:]:
+            if req.node is not None and not req.loading:
+                self.tree.unlock(req.node)
+                req.node, freed = None, True
+        return freed
 
     def _count_hits(self, req: Request, per_tier: list[int]) -> None:
         if req.counted:

@@ -71,9 +71,13 @@ class Policy:
     def __init__(self, ctx: PolicyContext):
         self.ctx = ctx
         self.cache: TieredCache | None = None
+        self.clock: Callable[[], float] = lambda: 0.0
 
-    def bind(self, cache: TieredCache) -> None:
+    def bind(self, cache: TieredCache, clock: Callable[[], float] | None = None) -> None:
+        """Attach the cache this policy ranks for, and the engine's clock (time is injected)."""
         self.cache = cache
+        if clock is not None:
+            self.clock = clock
 
     # ranking (called by the cache)
     def priority(self, node: Node) -> tuple:

@@ -3,7 +3,8 @@
 - evict the node whose next use is farthest away (never used again: first), ties by LRU;
 - keep an evicted node in the next tier only if it will be used again;
 - prefetch into free device space the host nodes needed soonest (never evicting for it).
-Next-use times come from `Future`'s nominal schedule (see there for why it is nominal).
+Next-use times are `Future`'s estimates (see there); a workflow's nodes are re-ranked after
+each of its calls, when its estimates move.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class OraclePolicy(Policy):
             raise ValueError("the oracle policy needs the replayed trace's future (PolicyContext.future)")
         self.future = ctx.future
         self.host_nodes: dict[int, Node] = {}  # nodes below the device, prefetch candidates
+        self.ids: dict[int, str] = {}
 
     def priority(self, node: Node) -> tuple:
         return (-self.future.next_use(node.blocks[0]), node.last_access)
@@ -35,10 +37,21 @@ class OraclePolicy(Policy):
         else:
             self.host_nodes[node.id] = node
 
+    def on_workflow_start(self, workflow: int, workflow_id: str) -> None:
+        self.ids[workflow] = workflow_id
+        self.future.started(workflow_id, self.clock())
+
+    def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
+        self.future.ended(self.ids.pop(workflow))
+        for node in nodes:
+            self.cache.refresh(node)
+
     def on_call_end(self, event: CallEvent) -> None:
-        # A call counts as a future use until it is served (it may wait in the queue); its path
-        # is still locked here and is re-ranked with the next use after this call on unlock.
-        self.future.mark_started(event.call.workflow_id, event.call.step)
+        # A call counts as a future use until it has been served (it may wait in the queue).
+        self.future.call_ended(event.call.workflow_id, event.call.step, event.now)
+        for node in self.cache.tree.workflow_nodes.get(event.workflow, {}).values():
+            if node.alive:
+                self.cache.refresh(node)
 
     def prefetch(self, request: PrefetchRequest) -> list[Node]:
         live = [n for n in self.host_nodes.values() if n.alive and n.tier != Tier.DEVICE]
