@@ -10,7 +10,7 @@ extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
-if [ -n "$(grep -l '"torch' pyproject.toml || true)" ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip install "torch==2.13.0"
 fi
 pip install -e ".${extras}"
