@@ -41,3 +41,30 @@ def resident(cache: TieredCache) -> dict[str, list[str]]:
     for n in cache.tree.iter_nodes():
         out.setdefault(n.tier.name, []).append(label[n.blocks[-1]])
     return {k: sorted(v) for k, v in out.items()}
+
+
+class FakePredictor:
+    """A predictor whose answers a test sets by hand: `table[last agent] = (probs, survival)`."""
+
+    name = "fake"
+
+    def __init__(self, agents, horizon, table=None, default=None):
+        import numpy as np
+        self.agents = list(agents)
+        self.horizon = horizon
+        self.table = table or {}
+        k, c = horizon, len(agents) + 1
+        self.default = default or (np.full((k, c), 1.0 / c), np.ones(k))
+        self.calls = []
+
+    def predict(self, history, context=None, hidden=None):
+        import numpy as np
+        from types import SimpleNamespace
+        self.calls.append((list(history), context))
+        key = context if context in self.table else (history[-1] if history else None)
+        probs, surv = self.table.get(key, self.default)
+        return SimpleNamespace(agents=self.agents + ["<unk>"], probs=np.asarray(probs, float),
+                               survival=np.asarray(surv, float))
+
+    def predict_batch(self, items):
+        return [self.predict(h, c) for h, c in items]

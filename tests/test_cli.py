@@ -25,7 +25,7 @@ def test_gen_then_stats_then_bench_on_the_file(tmp_path):
     assert r.exit_code == 0 and "workflows 12" in r.output
     assert json.loads((tmp_path / "s.json").read_text())["workflows"] == 12
     r = invoke("bench", "--trace", out, "--concurrency", "4", "--device-tokens", 30000,
-               "--out", tmp_path / "res", "--jobs", 1)
+               "--policies", "kvflow", "--out", tmp_path / "res", "--jobs", 1)
     assert r.exit_code == 0, r.output
     records = json.loads((tmp_path / "res" / "bench.json").read_text())
     assert {r["policy"] for r in records} == {"lru", "kvflow", "oracle"}
@@ -38,7 +38,22 @@ def test_bench_generated_workloads_and_table(tmp_path):
     assert r.exit_code == 0, r.output
     assert "finance: 10 workflows" in r.output and "dialogue" in r.output
     records = json.loads((tmp_path / "x.json").read_text())
-    assert len(records) == 8 and records[0]["policy"] == "lru"  # LRU is always added as the reference
+    # LRU (the reference) and the oracle (the bound) are always added
+    assert len(records) == 12 and [r["policy"] for r in records[:3]] == ["lru", "kvflow", "oracle"]
+
+
+def test_bench_pbkv_needs_a_predictor_for_a_trace_and_trains_on_train(tmp_path):
+    replay, train = tmp_path / "replay.jsonl", tmp_path / "train.jsonl"
+    assert invoke("gen", "finance", "--workflows", 6, "--seed", 1, "-o", replay).exit_code == 0
+    assert invoke("gen", "finance", "--workflows", 20, "--seed", 2, "-o", train).exit_code == 0
+    r = invoke("bench", "--trace", replay, "--policies", "pbkv", "--concurrency", "2", "--out", tmp_path)
+    assert r.exit_code == 2 and "needs a trained fused predictor" in r.output and "--train" in r.output
+    r = invoke("bench", "--trace", replay, "--train", train, "--policies", "pbkv", "--concurrency", "2",
+               "--out", tmp_path, "--jobs", 1)
+    assert r.exit_code == 0, r.output
+    records = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["policy"] for r in records] == ["lru", "pbkv", "oracle"]
+    assert 0 <= records[1]["trust"] <= 1 and (tmp_path / "models" / "train-fused" / "model.safetensors").exists()
 
 
 def test_gen_from_spec_file(tmp_path):

@@ -33,8 +33,8 @@ def run_call(cache, pol, prompt, now, wf, agent, step):
 
 
 def test_registry_lists_and_rejects_unknown_names():
-    assert policy_names()[:3] == ["lru", "kvflow", "oracle"]
-    with pytest.raises(UnknownPolicy, match=r"unknown policy 'lfu'; known policies: lru, kvflow, oracle"):
+    assert policy_names()[:4] == ["lru", "kvflow", "oracle", "pbkv"]
+    with pytest.raises(UnknownPolicy, match=r"unknown policy 'lfu'; known policies: lru, kvflow, oracle, pbkv"):
         make_policy("lfu", PolicyContext())
     with pytest.raises(UnknownPolicy, match="cannot load"):
         make_policy("nowhere.mod:Cls", PolicyContext())

@@ -44,11 +44,14 @@ def _concurrency(value: str) -> list[int | None]:
     return out
 
 
+PREDICTOR_HELP = "Policies that predict (pbkv*) need a predictor: trained on --train traces, loaded from --model, or (generated workloads) trained on the generator with seed + 1."
+
+
 @app.command()
 def bench(
     workload: str = typer.Option(DEFAULT_WORKLOADS, help="Built-in workload names or spec files, comma-separated."),
     trace: Optional[list[Path]] = typer.Option(None, help="Replay these trace files instead of generating (repeatable)."),
-    policies: str = typer.Option("lru,kvflow,oracle", help="Policies to compare, comma-separated."),
+    policies: str = typer.Option("lru,kvflow,pbkv,oracle", help="Policies to compare, comma-separated (LRU and the oracle are always added)."),
     concurrency: str = typer.Option("16,32,64,96", help="Concurrent workflows to sweep ('open': by trace t)."),
     profile: str = typer.Option("a6000-qwen3-32b", help="Built-in profile name or a profile JSON file."),
     device_tokens: Optional[int] = typer.Option(None, min=1, help="Device KV capacity in tokens (default: from the profile)."),
@@ -56,55 +59,69 @@ def bench(
     disk_tokens: Optional[int] = typer.Option(None, min=0, help="Disk KV capacity (default: the profile's)."),
     workflows: int = typer.Option(400, min=1, help="Workflows per generated workload."),
     seed: int = typer.Option(0, help="Seed of the generated workloads."),
+    train: Optional[list[Path]] = typer.Option(None, help="Train the predictor on these traces (repeatable). " + PREDICTOR_HELP),
+    model: Optional[Path] = typer.Option(None, help="Load the predictor saved by `pbkv train`."),
+    horizon: Optional[int] = typer.Option(None, min=1, help="Prediction horizon K (default: the predictor's; 3 when training)."),
+    online: bool = typer.Option(False, help="Retrain the predictor from finished workflows during the run."),
     engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator)."),
     jobs: int = typer.Option(2, min=1, help="Parallel worker processes."),
-    out: Path = typer.Option(Path("results/bench"), help="Folder for the JSON and PNG plots."),
+    out: Path = typer.Option(Path("results/bench"), help="Folder for the JSON, PNG plots and trained predictors."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="JSON path (default: OUT/bench.json)."),
 ):
     """Compare cache policies side by side on workloads or traces; print a table, save JSON and plots."""
-    from pbkv.bench.report import print_tables, write_json, write_plots
-    from pbkv.bench.sweep import SweepConfig, run_sweep, source_from_arg
-    from pbkv.engine.profiles import load_profile
-    from pbkv.policy import UnknownPolicy, policy_names
-    from pbkv.policy.registry import policy_class
+    _run_bench(workload, trace, _split(policies), concurrency, profile, device_tokens, host_tokens, disk_tokens,
+               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path)
+
+
+@app.command()
+def ablate(
+    workload: str = typer.Option("hover,swe,finance", help="Built-in workload names or spec files, comma-separated."),
+    trace: Optional[list[Path]] = typer.Option(None, help="Replay these trace files instead (needs --train or --model)."),
+    concurrency: str = typer.Option("64,96,128", help="Concurrent workflows to sweep."),
+    profile: str = typer.Option("a6000-qwen3-32b", help="Built-in profile name or a profile JSON file."),
+    device_tokens: Optional[int] = typer.Option(None, min=1),
+    host_tokens: Optional[int] = typer.Option(None, min=0),
+    workflows: int = typer.Option(400, min=1),
+    seed: int = typer.Option(0),
+    train: Optional[list[Path]] = typer.Option(None, help="Train predictors on these traces (repeatable)."),
+    horizon: Optional[int] = typer.Option(None, min=1),
+    jobs: int = typer.Option(2, min=1),
+    out: Path = typer.Option(Path("results/ablate")),
+):
+    """The ablation table in one command: lru, kvflow, pbkv-retired, pbkv-noprefetch, pbkv-history,
+    pbkv-context, pbkv, oracle, side by side."""
+    from pbkv.bench.main import ABLATION
+    _run_bench(workload, trace, ABLATION, concurrency, profile, device_tokens, host_tokens, None, workflows, seed,
+               train, None, horizon, False, "sim", jobs, out, None)
+
+
+def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, host_tokens, disk_tokens, workflows,
+               seed, train, model, horizon, online, engine, jobs, out, json_path) -> None:
+    from pbkv.bench.main import BenchArgs, run
+    from pbkv.bench.predictors import PredictorSource
+    from pbkv.bench.sweep import source_from_arg
+    from pbkv.policy import UnknownPolicy
     from pbkv.trace import TraceError
 
     if engine != "sim":
         _fail(f"--engine: unknown engine {engine!r}; available: sim")
-    pols = _split(policies)
-    try:
-        for p in pols:
-            policy_class(p)
-        load_profile(profile)
-    except (UnknownPolicy, ValueError) as e:
-        _fail(str(e))
-    if "lru" not in pols:
-        pols.insert(0, "lru")  # every speedup is measured against LRU in the same run
+    for path in [*(trace or []), *(train or [])] + ([model] if model else []):
+        if not path.exists():
+            _fail(f"{path}: no such file or directory")
     sources = ([source_from_arg(str(t), workflows, seed) for t in trace] if trace
                else [source_from_arg(w, workflows, seed) for w in _split(workload)])
-    cfg = SweepConfig(sources=sources, policies=pols, concurrency=_concurrency(concurrency), profile=profile,
-                      device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens, jobs=jobs)
-    total = len(sources) * len(pols) * len(cfg.concurrency)
+    options = {"horizon": horizon} if horizon else {}
+    if online:
+        options.update(online=True, train_files=[str(t) for t in train or []])
+    args = BenchArgs(sources=sources, policies=policies, concurrency=_concurrency(concurrency), profile=profile,
+                     device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens, jobs=jobs,
+                     out=out, json_path=json_path, options=options,
+                     predictor=PredictorSource(model=str(model) if model else None,
+                                               train=tuple(str(t) for t in train or []), horizon=horizon or 3))
     try:
-        _preload(sources)
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console) as bar:
-            task = bar.add_task("simulating", total=total)
-            records = run_sweep(cfg, on_done=lambda r: bar.update(
-                task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"))
-    except (TraceError, ValueError) as e:
+        run(args, console)
+    except (UnknownPolicy, TraceError, ValueError) as e:
         _fail(str(e))
-    print_tables(records, console)
-    path = write_json(records, json_path or out / "bench.json")
-    plots = write_plots(records, out)
-    console.print(f"results: {path}" + "".join(f"\n         {p}" for p in plots))
-
-
-def _preload(sources) -> None:
-    """Fail fast (before any worker starts) on a bad spec or trace."""
-    from pbkv.bench.sweep import load_workload
-    for s in sources:
-        load_workload(s)
 
 
 @app.command()
@@ -149,6 +166,44 @@ def trace_stats_cmd(
         json_path.write_text(json.dumps(stats, indent=1) + "\n")
 
 
+@trace_app.command("split")
+def trace_split_cmd(
+    file: Path = typer.Argument(..., help="Trace file."),
+    train_out: Path = typer.Option(..., "--train-out", help="Where the first part goes."),
+    test_out: Path = typer.Option(..., "--test-out", help="Where the held-out part goes."),
+    test_fraction: float = typer.Option(0.5, min=0.0, max=1.0, help="Share of task groups held out."),
+    seed: int = typer.Option(0),
+):
+    """Split a trace by task (no task in both parts), e.g. to train on one half and replay the other."""
+    from pbkv.trace import TraceError, read_trace, write_trace
+    from pbkv.trace.transform import split_by_task
+
+    try:
+        train, test = split_by_task(read_trace(file), test_fraction, seed)
+    except TraceError as e:
+        _fail(str(e))
+    write_trace(train, train_out)
+    write_trace(test, test_out)
+    console.print(f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
+
+
+@trace_app.command("flatten")
+def trace_flatten_cmd(
+    file: Path = typer.Argument(..., help="Trace file."),
+    output: Path = typer.Option(..., "-o", "--output", help="Trace file to write."),
+):
+    """Make every call its own workflow: the same prompts with no workflow structure."""
+    from pbkv.trace import TraceError, read_trace, write_trace
+    from pbkv.trace.transform import flatten
+
+    try:
+        trace = flatten(read_trace(file))
+    except TraceError as e:
+        _fail(str(e))
+    write_trace(trace, output)
+    console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
+
+
 @perf_app.command("sim")
 def perf_sim(
     workload: str = typer.Option("hover", help="Built-in workload."),
@@ -170,6 +225,121 @@ def perf_evict(nodes: int = typer.Option(100_000, min=100), policy: str = typer.
     r = evict_speed(nodes, policy)
     console.print(f"{r['evicted']} nodes evicted from a {r['nodes']:,}-node tree in {r['seconds'] * 1e3:.1f} ms: "
                   f"{r['us_per_node']:.1f} us per evicted node ({policy})")
+
+
+def _train_bar():
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+def _check_predictor_args(horizon: int, variant: str | None = None) -> None:
+    from pbkv.predict.model import VARIANTS
+    if horizon < 1:
+        _fail(f"--horizon: must be >= 1, got {horizon}")
+    if variant is not None and variant not in VARIANTS:
+        _fail(f"--variant: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
+
+
+@app.command("train")
+def train_cmd(
+    trace: list[Path] = typer.Option(..., "--trace", help="Training trace file (repeatable)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Directory to write the predictor to."),
+    horizon: int = typer.Option(3, help="Steps predicted ahead (K)."),
+    variant: str = typer.Option("fused", help="fused | history | context."),
+    epochs: Optional[int] = typer.Option(None, min=1, help="Training epochs (default: about 2,500 steps)."),
+    seed: int = typer.Option(0, help="Random seed (training is deterministic given it)."),
+):
+    """Train a workflow predictor (next K agents + survival) on traces and save it as a directory."""
+    from pbkv.predict import save_predictor, train_predictor
+    from pbkv.trace import TraceError, read_trace
+
+    _check_predictor_args(horizon, variant)
+    try:
+        traces = [read_trace(t) for t in trace]
+        with _train_bar() as bar:
+            task = bar.add_task(f"training {variant}", total=None)
+            p = train_predictor(traces, variant=variant, horizon=horizon, epochs=epochs, seed=seed,
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        save_predictor(p, output)
+    except (TraceError, ValueError, OSError) as e:
+        _fail(str(e))
+    info = p.info
+    top1 = info.get("train_top1_k1")
+    console.print(f"{info['parameters']:,} parameters, {len(p.agents)} agents, {info['samples']} samples, "
+                  f"{info['epochs']} epochs, trained in {info['train_seconds']:.1f} s; train-set top-1 (k=1) "
+                  f"{'n/a' if top1 is None else f'{top1:.3f}'}")
+    console.print(f"saved: {output}")
+
+
+@app.command("predict-eval")
+def predict_eval_cmd(
+    model: Optional[Path] = typer.Option(None, help="A saved predictor directory (evaluated with its stored Markov baseline)."),
+    trace: Optional[Path] = typer.Option(None, help="Trace to evaluate on (with --model), or to --split."),
+    train: Optional[Path] = typer.Option(None, help="Train the fused/history/context predictors and Markov on this trace."),
+    test: Optional[Path] = typer.Option(None, help="... and evaluate them on this one."),
+    split: bool = typer.Option(False, help="Split --trace by task (50/50): train on one half, test on the other."),
+    horizon: int = typer.Option(3, help="Steps predicted ahead when training."),
+    epochs: Optional[int] = typer.Option(None, min=1, help="Training epochs when training."),
+    seed: int = typer.Option(0, help="Seed of training and of the split."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON."),
+):
+    """Top-1 accuracy at k=1..K, end-of-workflow accuracy, ECE and speed of predictors, next to Markov."""
+    from pbkv.predict import evaluate, fit_markov, load_predictor, split_by_task, train_predictor
+    from pbkv.trace import TraceError, read_trace
+
+    _check_predictor_args(horizon)
+    rows: list[tuple[str, str, dict]] = []  # (label, JSON key prefix, metrics)
+    try:
+        if model is not None:
+            if trace is None or train is not None or test is not None:
+                _fail("with --model give --trace FILE (and optionally --split to score its test half)")
+            p = load_predictor(model)
+            data = read_trace(trace)
+            if split:
+                data = split_by_task(data, 0.5, seed)[1]
+            rows.append((p.name, "", evaluate(p, data)))
+            if p.markov is not None:
+                rows.append(("markov", "markov_", evaluate(p.markov, data)))
+        else:
+            if train is not None and test is not None and trace is None:
+                fit, data = read_trace(train), read_trace(test)
+            elif trace is not None and split and train is None and test is None:
+                fit, data = split_by_task(read_trace(trace), 0.5, seed)
+            else:
+                _fail("give --model DIR --trace FILE, or --train FILE --test FILE, or --trace FILE --split")
+            with _train_bar() as bar:
+                for variant, label, prefix in (("fused", "fused", ""), ("history", "history-only", "history_"),
+                                               ("context", "context-only", "context_")):
+                    task = bar.add_task(f"training {variant}", total=None)
+                    p = train_predictor(fit, variant=variant, horizon=horizon, epochs=epochs, seed=seed,
+                                        progress=lambda d, t, task=task: bar.update(task, completed=d, total=t))
+                    m = evaluate(p, data)
+                    m["train_seconds"], m["parameters"] = p.info["train_seconds"], p.info["parameters"]
+                    rows.append((label, prefix, m))
+            rows.append(("markov", "markov_", evaluate(fit_markov(fit, horizon), data)))
+    except (TraceError, ValueError, OSError) as e:
+        _fail(str(e))
+    _print_predict_table(rows)
+    if json_path:
+        out = {prefix + k: v for _, prefix, m in rows for k, v in m.items()}
+        json_path.write_text(json.dumps(out, indent=1, default=float) + "\n")
+        console.print(f"results: {json_path}")
+
+
+def _print_predict_table(rows) -> None:
+    from rich.table import Table
+
+    k = max(int(key[6:]) for _, _, m in rows for key in m if key.startswith("top1_k"))
+    table = Table(title=f"next-agent prediction ({rows[0][2]['calls']} positions)")
+    for col in ["predictor"] + [f"top1@k{i}" for i in range(1, k + 1)] + ["end acc", "ECE", "us/call"]:
+        table.add_column(col, justify="left" if col == "predictor" else "right")
+
+    def f(v, fmt="{:.3f}"):
+        return "-" if v is None else fmt.format(v)
+    for label, _, m in rows:
+        table.add_row(label, *[f(m.get(f"top1_k{i}")) for i in range(1, k + 1)], f(m["end_acc"]), f(m["ece"]),
+                      f(m["us_per_call"], "{:.0f}"))
+    console.print(table)
 
 
 if __name__ == "__main__":

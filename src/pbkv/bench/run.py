@@ -40,6 +40,7 @@ class RunConfig:
     host_tokens: int | None = None
     disk_tokens: int | None = None
     options: dict = field(default_factory=dict)
+    predictors: dict = field(default_factory=dict)   # variant -> trained predictor
 
     def capacities(self) -> Capacities:
         p = self.profile
@@ -73,8 +74,13 @@ def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
     cost = CostModel(cfg.profile)
     caps = cfg.capacities()
     check_fits(workload, caps.device)
+    predictors = cfg.predictors
+    if predictors and not cfg.options.get("online_learner"):
+        from pbkv.predict.cached import CachedPredictor  # same answers, batched ahead of the run
+        predictors = {v: CachedPredictor(p, workload.workflows) for v, p in predictors.items()}
     ctx = PolicyContext(block_size=workload.trace.block_size, agent_graph=workload.agent_graph,
-                        static_sequence=workload.static_sequence, options=cfg.options)
+                        static_sequence=workload.static_sequence, options=cfg.options,
+                        predictors=predictors)
     if needs_future(cfg.policy):
         ctx.future = Future(workload.workflows, workload.trace.block_size, cfg.concurrency,
                             nominal_duration(cost, cfg.concurrency))
@@ -94,5 +100,10 @@ def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
         "disk_tokens": caps.disk,
         "prefill_seconds": engine.stats.prefill_seconds,
         "decode_seconds": engine.stats.decode_seconds,
+        "policy_seconds": engine.stats.policy_seconds,
+        "policy_overhead": engine.stats.policy_seconds / max(record["makespan_s"], 1e-9),
     })
+    monitor = getattr(policy, "monitor", None)
+    if monitor is not None:
+        record.update(monitor.summary())
     return record

@@ -11,6 +11,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.engine.profiles import load_profile
 from pbkv.trace import read_trace
@@ -19,7 +20,8 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "call
                "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
                "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
                "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
-               "device_tokens", "host_tokens", "disk_tokens", "makespan_s")
+               "device_tokens", "host_tokens", "disk_tokens", "makespan_s", "monitor_top1",
+               "monitor_baseline_top1", "trust", "retired_reuse")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class SweepConfig:
     disk_tokens: int | None = None
     jobs: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     options: dict = field(default_factory=dict)
+    predictors: dict = field(default_factory=dict)   # (workload, variant) -> saved predictor dir
 
 
 @functools.lru_cache(maxsize=8)
@@ -59,9 +62,15 @@ def load_workload(source: Source) -> Workload:
 
 def _run_one(args: tuple) -> dict:
     source, policy, concurrency, cfg = args
+    predictors = {variant: predictors_mod.load(path)
+                  for (name, variant), path in cfg.predictors.items() if name == source.name}
+    options = dict(cfg.options)
+    if options.pop("online", False) and predictors:
+        options["online_learner"] = predictors_mod.online_learner(source, options.pop("train_files", []),
+                                                                   options.get("horizon", 3))
     run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile),
                     device_tokens=cfg.device_tokens, host_tokens=cfg.host_tokens,
-                    disk_tokens=cfg.disk_tokens, options=cfg.options)
+                    disk_tokens=cfg.disk_tokens, options=options, predictors=predictors)
     record = simulate(load_workload(source), run)
     record.update(workload=source.name, policy=policy, concurrency=concurrency, engine="sim")
     return record

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +46,7 @@ class EngineStats:
     load_seconds: float = 0.0
     prefetched_tokens: int = 0
     policy_calls: int = 0
+    policy_seconds: float = 0.0   # wall time spent in the policy's event hooks (predictions included)
 
 
 class Simulator:
@@ -81,17 +83,23 @@ class Simulator:
         heapq.heappush(self._events, (max(when, self.now), self._seq, fn))
 
     def start_workflow(self, workflow: int, workflow_id: str) -> None:
-        self.policy.on_workflow_start(workflow, workflow_id)
+        self._timed(self.policy.on_workflow_start, workflow, workflow_id)
 
     def end_workflow(self, workflow: int) -> None:
         nodes = self.cache.end_workflow(workflow)
-        self.policy.on_workflow_end(workflow, nodes)
+        self._timed(self.policy.on_workflow_end, workflow, nodes)
 
     def submit(self, req: Request) -> None:
         req.arrival = self.now
         node, _ = self.tree.match(req.call.hash_ids)
-        self.policy.on_call_start(self._event(req, node))
+        self._timed(self.policy.on_call_start, self._event(req, node))
         self.waiting.append(req)
+
+    def _timed(self, hook, *args):
+        start = time.perf_counter()
+        out = hook(*args)
+        self.stats.policy_seconds += time.perf_counter() - start
+        return out
 
     def run(self) -> None:
         """Serve until no request, event or load is left."""
@@ -260,7 +268,7 @@ class Simulator:
         req.reserved = 0
         self.tree.touch(req.node, self.now, req.workflow, req.call.agent)  # recency = end of use
         self.tree.unlock(req.node)
-        self.policy.on_call_end(self._event(req, req.node))
+        self._timed(self.policy.on_call_end, self._event(req, req.node))
         req.on_done(req)
 
     # ------------------------------------------------------------------ transfers
@@ -286,7 +294,7 @@ class Simulator:
         if budget <= 0 or self._link_free_at > self.now:
             return
         self.stats.policy_calls += 1
-        wanted = self.policy.prefetch(PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
+        wanted = self._timed(self.policy.prefetch, PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
         for node in wanted:
             segment = []
             n = node

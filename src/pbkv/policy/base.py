@@ -28,12 +28,14 @@ class PolicyContext:
 
     `agent_graph` is the static workflow graph (agent -> possible next agents, with "START" and
     "END"), known to a developer who wrote the workflow; `static_sequence` is the agent order
-    when the workflow is static; `future` is the replayed trace's future, only for the oracle."""
+    when the workflow is static; `future` is the replayed trace's future, only for the oracle;
+    `predictors` maps a variant name ("fused", "history", "context") to a trained predictor."""
 
     block_size: int = 16
     agent_graph: dict[str, list[str]] = field(default_factory=dict)
     static_sequence: list[str] | None = None
     future: Future | None = None
+    predictors: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
 
 

@@ -10,6 +10,11 @@ BUILTIN: dict[str, str] = {
     "lru": "pbkv.policy.lru:LRUPolicy",
     "kvflow": "pbkv.policy.kvflow:KVFlowPolicy",
     "oracle": "pbkv.policy.oracle:OraclePolicy",
+    "pbkv": "pbkv.policy.pbkv:PBKVPolicy",
+    "pbkv-retired": "pbkv.policy.pbkv:PBKVRetiredPolicy",
+    "pbkv-noprefetch": "pbkv.policy.pbkv:PBKVNoPrefetchPolicy",
+    "pbkv-history": "pbkv.policy.pbkv:PBKVHistoryPolicy",
+    "pbkv-context": "pbkv.policy.pbkv:PBKVContextPolicy",
 }
 
 
@@ -48,3 +53,10 @@ def make_policy(name: str, ctx: PolicyContext) -> Policy:
 def needs_future(name: str) -> bool:
     """True for policies that read the replayed trace's future (the oracle)."""
     return getattr(policy_class(name), "reads_future", False)
+
+
+def needed_predictor(name: str) -> str | None:
+    """The predictor variant a policy needs ("fused", "history", "context"), or None."""
+    cls = policy_class(name)
+    uses = getattr(cls, "use_scores", False) or getattr(cls, "use_prefetch", False)
+    return getattr(cls, "variant", None) if uses else None

@@ -1,0 +1,73 @@
+"""`pbkv bench` and `pbkv ablate` behind the command line: validate, prepare, sweep, report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pbkv.bench import predictors as predictors_mod
+from pbkv.bench.report import print_tables, write_json, write_plots
+from pbkv.bench.sweep import Source, SweepConfig, load_workload, run_sweep
+from pbkv.engine.profiles import load_profile
+from pbkv.policy.registry import policy_class
+
+ABLATION = ["lru", "kvflow", "pbkv-retired", "pbkv-noprefetch", "pbkv-history", "pbkv-context", "pbkv", "oracle"]
+
+
+@dataclass
+class BenchArgs:
+    sources: list[Source]
+    policies: list[str]
+    concurrency: list[int | None]
+    profile: str = "a6000-qwen3-32b"
+    device_tokens: int | None = None
+    host_tokens: int | None = None
+    disk_tokens: int | None = None
+    jobs: int = 2
+    out: Path = Path("results/bench")
+    json_path: Path | None = None
+    predictor: predictors_mod.PredictorSource = field(default_factory=predictors_mod.PredictorSource)
+    options: dict = field(default_factory=dict)
+
+
+def check(args: BenchArgs) -> list[str]:
+    """Validate names before any work; return the policy list with LRU and the oracle in it."""
+    for p in args.policies:
+        policy_class(p)
+    load_profile(args.profile)
+    pols = list(args.policies)
+    if "lru" not in pols:
+        pols.insert(0, "lru")      # every speedup is measured against LRU in the same run
+    if "oracle" not in pols:
+        pols.append("oracle")      # and every report shows the perfect-knowledge reference
+    return pols
+
+
+def run(args: BenchArgs, console: Console) -> list[dict]:
+    pols = check(args)
+    for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
+        load_workload(s)
+    with _bar(console) as bar:
+        task = bar.add_task("training predictors", total=None)
+        paths = predictors_mod.prepare(args.sources, pols, args.predictor, args.out / "models",
+                                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+        cfg = SweepConfig(sources=args.sources, policies=pols, concurrency=args.concurrency, profile=args.profile,
+                          device_tokens=args.device_tokens, host_tokens=args.host_tokens,
+                          disk_tokens=args.disk_tokens, jobs=args.jobs, options=args.options, predictors=paths)
+        bar.update(task, description="simulating", completed=0,
+                   total=len(args.sources) * len(pols) * len(args.concurrency))
+        records = run_sweep(cfg, on_done=lambda r: bar.update(
+            task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"))
+    print_tables(records, console)
+    path = write_json(records, args.json_path or args.out / "bench.json")
+    plots = write_plots(records, args.out)
+    console.print(f"results: {path}" + "".join(f"\n         {p}" for p in plots))
+    return records
+
+
+def _bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)

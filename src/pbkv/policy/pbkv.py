@@ -1,0 +1,219 @@
+"""PBKV: prediction-based eviction and prefetch, used conservatively, with a feedback loop.
+
+Eviction order on the device (the cache never evicts a locked node):
+  1. retired nodes (cache private to workflows that all ended), LRU among them;
+  2. active nodes by ascending reuse score (`reuse_score.py`), ties by LRU.
+The host tier stays LRU, and retired nodes are dropped rather than written to host.
+Prefetch: `conservative_prefetch.py`. Predictions are refreshed at every call.
+
+Feedback (`pbkv.predict.monitor`): the predictor's next-event accuracy is compared online with a
+Markov baseline learned from the same stream. As trust falls, scores are quantised ever more
+coarsely, so more nodes tie and LRU decides: at trust 0 the order is plain LRU (after retired)
+and prefetch stops. When retired cache turns out to be reused by new workflows, retired-first
+is switched off. With an online learner, finished workflows retrain the predictor.
+
+Variants (ablations): `pbkv-retired` (retired first, then LRU), `pbkv-noprefetch`,
+`pbkv-history` (history-only predictor), `pbkv-context` (context-only predictor).
+"""
+
+from __future__ import annotations
+
+from pbkv.cache import Node, Tier
+from pbkv.policy import conservative_prefetch
+from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
+from pbkv.policy.reuse_score import ReuseScores
+from pbkv.predict.monitor import END, QualityMonitor
+
+TRUST_STEPS = 10          # trust is acted on in tenths
+PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
+
+
+class PBKVPolicy(Policy):
+    name = "pbkv"
+    variant = "fused"            # which trained predictor (PolicyContext.predictors key)
+    use_scores = True
+    use_prefetch = True
+    allow_evict_for_prefetch = True  # `plan` asks only for free + retired space; retired goes first
+
+    def __init__(self, ctx: PolicyContext):
+        super().__init__(ctx)
+        needs = self.use_scores or self.use_prefetch
+        self.predictor = ctx.predictors.get(self.variant) if needs else None
+        if self.predictor is None and needs:
+            raise ValueError(f"policy {self.name!r} needs a trained {self.variant} predictor "
+                             f"(pbkv bench: --train FILE or --model DIR)")
+        opts = ctx.options
+        horizon = int(opts.get("horizon") or (self.predictor.horizon if self.predictor else 1))
+        if self.predictor is not None and horizon > self.predictor.horizon:
+            raise ValueError(f"--horizon {horizon} exceeds the predictor's horizon {self.predictor.horizon}")
+        self.scores = ReuseScores(gamma=float(opts.get("gamma", 0.8)), horizon=horizon)
+        self.monitor = QualityMonitor()
+        self.learner = opts.get("online_learner")
+        self.history: dict[int, list[str]] = {}
+        self.contexts: dict[int, list[str | None]] = {}
+        self.expected: dict[int, tuple[str, dict[str, float]]] = {}  # workflow -> (agent, next event)
+        self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
+        self.offloaded: dict[int, Node] = {}     # nodes evicted below the device (prefetch candidates)
+        self.common: dict[int, Node] = {}        # common nodes seen on matched paths
+        self.level = TRUST_STEPS
+
+    def bind(self, cache, clock=None) -> None:
+        super().bind(cache, clock)
+        self.scores.bind(cache.tree.agent_ids)
+
+    # ---------------------------------------------------------------- ranking
+
+    def priority(self, node: Node) -> tuple:
+        if node.tier != Tier.DEVICE:
+            return (1, 0, node.last_access)
+        if self._retired(node):
+            return (0, 0, node.last_access)
+        if not self.use_scores or self.level == 0:
+            return (1, 0, node.last_access)
+        score = self.scores.score(node)
+        levels = 2 ** (2 * self.level)  # trust 1: ~1M levels (exact order); 0: one level (LRU)
+        return (1, int(score / (1.0 + score) * levels), node.last_access)
+
+    def keep_on_evict(self, node: Node) -> bool:
+        return not self._retired(node)
+
+    def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
+        self.retired.pop(node.id, None)
+        if dst is not None and node.alive:
+            self.offloaded[node.id] = node
+
+    def _retired(self, node: Node) -> bool:
+        return self.monitor.retired_first and self.scores.is_retired(node)
+
+    # ---------------------------------------------------------------- events
+
+    def on_workflow_start(self, workflow: int, workflow_id: str) -> None:
+        self.history[workflow] = []
+        self.contexts[workflow] = []
+        self.scores.workflows_seen += 1
+
+    def on_call_start(self, event: CallEvent) -> None:
+        w, agent = event.workflow, event.agent
+        self._observe(w, agent)
+        self._observe_match(event.node)
+        self.history[w].append(agent)
+        self.contexts[w].append(event.call.context if event.call is not None else None)
+        if self.predictor is None:
+            return
+        pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
+        moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
+        s1 = float(pred.survival[0])
+        nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
+        nxt[END] = 1.0 - s1
+        self.expected[w] = (agent, nxt)
+        self._rerank(w, moved)
+
+    def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
+        self._observe(workflow, END)
+        self.expected.pop(workflow, None)
+        moved = self.scores.remove(workflow)
+        if self.learner is not None:
+            self._learn(workflow)
+        self.history.pop(workflow, None)
+        self.contexts.pop(workflow, None)
+        for node in nodes:
+            if node.tier == Tier.DEVICE and self.scores.is_retired(node):
+                self.retired[node.id] = node
+            self.cache.refresh(node)
+        self._rerank(None, moved)
+
+    def prefetch(self, request: PrefetchRequest) -> list[Node]:
+        if not self.use_prefetch or self.monitor.trust < PREFETCH_MIN_TRUST:
+            return []
+        space = request.free_tokens + self._retired_device_tokens()
+        if space <= 0 or not self.offloaded:
+            return []
+        candidates = []
+        for node_id, node in list(self.offloaded.items()):
+            if not node.alive or node.tier == Tier.DEVICE:
+                del self.offloaded[node_id]
+            elif node.wf_agents or self.scores.is_common(node):
+                candidates.append((self.scores.one_step(node), node))
+        return conservative_prefetch.plan(candidates, request.budget_tokens, space)
+
+    # ---------------------------------------------------------------- feedback
+
+    def _observe(self, workflow: int, actual: str) -> None:
+        expected = self.expected.get(workflow)
+        if expected is not None:
+            self.monitor.record(expected[0], expected[1], actual)
+            self._apply_trust()
+
+    def _observe_match(self, node: Node) -> None:
+        retired = 0
+        root = self.cache.tree.root
+        while node is not root:
+            if self.scores.is_retired(node):
+                retired += node.tokens
+            elif node.id not in self.common and self.scores.is_common(node):
+                self.common[node.id] = node
+            node = node.parent
+        self.monitor.record_match(retired)
+
+    def _apply_trust(self) -> None:
+        level = round(self.monitor.trust * TRUST_STEPS)
+        if level != self.level:
+            self.level = level
+            for node in self.cache.candidates(Tier.DEVICE):
+                self.cache.refresh(node)
+
+    def _learn(self, workflow: int) -> None:
+        self.learner.add(self.history[workflow], self.contexts[workflow])
+        updated = self.learner.poll()
+        if updated is not None:
+            self.predictor = updated
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _retired_device_tokens(self) -> int:
+        total = 0
+        for node_id, node in list(self.retired.items()):
+            if node.alive and node.tier == Tier.DEVICE and node.lock == 0 and self.scores.is_retired(node):
+                total += node.tokens
+            else:
+                del self.retired[node_id]
+        return total
+
+    def _rerank(self, workflow: int | None, moved_classes: list[int]) -> None:
+        """New predictions change the scores of the workflow's nodes and of common nodes
+        whose agents' totals moved; re-rank those that are eviction candidates."""
+        cache = self.cache
+        if workflow is not None:
+            for node in cache.tree.workflow_nodes.get(workflow, {}).values():
+                if node.alive:
+                    cache.refresh(node)
+        if moved_classes:
+            mask = self.scores.agent_bits_of(moved_classes)
+            for node_id, node in list(self.common.items()):
+                if not node.alive:
+                    del self.common[node_id]
+                elif node.agent_mask & mask:
+                    cache.refresh(node)
+
+
+class PBKVRetiredPolicy(PBKVPolicy):
+    """Ablation: the lifecycle guardrail alone (retired first, then LRU); no predictor."""
+
+    name = "pbkv-retired"
+    use_scores = False
+    use_prefetch = False
+
+
+class PBKVNoPrefetchPolicy(PBKVPolicy):
+    name = "pbkv-noprefetch"
+    use_prefetch = False
+
+
+class PBKVHistoryPolicy(PBKVPolicy):
+    name = "pbkv-history"
+    variant = "history"
+
+
+class PBKVContextPolicy(PBKVPolicy):
+    name = "pbkv-context"
+    variant = "context"

@@ -1,0 +1,115 @@
+"""First-order Markov baseline: next agent from the current agent only, END absorbing.
+
+States are the known agents, UNK and END. Row `a` of the transition matrix is the add-`alpha`
+(Laplace) smoothed distribution of what followed agent `a` in training (another agent or END);
+an unknown current agent (and the UNK state reached while propagating) uses the overall
+next-agent distribution, an empty history the distribution of first agents. The k-step state
+distribution is the current row times T^(k-1); survival[k-1] = 1 - its END mass, which never
+increases because END is absorbing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
+from pbkv.trace import Trace
+
+FORMAT = "pbkv-markov"
+
+
+class MarkovPredictor:
+    """Transition counts `counts[from, to]`: from = agents, UNK, START; to = agents, UNK, END."""
+
+    name = "markov"
+
+    def __init__(self, agents: list[str], counts: np.ndarray, horizon: int = 3, alpha: float = 1.0):
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        n = len(agents)
+        counts = np.asarray(counts, dtype=np.float64)
+        if counts.shape != (n + 2, n + 2):
+            raise ValueError(f"counts must have shape {(n + 2, n + 2)}, got {counts.shape}")
+        self.agents, self.horizon, self.alpha = list(agents), horizon, float(alpha)
+        self.counts = counts
+        self.index = {a: i for i, a in enumerate(self.agents)}
+        unk, start, end = n, n + 1, n + 1
+        rows = counts + alpha
+        # UNK: the overall next-agent distribution (counts after any agent, START excluded)
+        rows[unk] = counts[:n + 1].sum(axis=0) + alpha
+        self.start_row = normalise_rows(rows[start])
+        trans = normalise_rows(rows[:n + 1])
+        self.T = np.vstack([trans, np.eye(n + 2)[end]])  # END absorbing; square over agents, UNK, END
+
+    @property
+    def classes(self) -> list[str]:
+        return self.agents + [UNK]
+
+    def _first(self, history: list[str]) -> np.ndarray:
+        if not history:
+            return self.start_row
+        return self.T[self.index.get(history[-1], len(self.agents))]
+
+    def predict(self, history: list[str], context: str | None = None,
+                hidden: np.ndarray | None = None) -> Prediction:
+        """k-step distributions by propagating the chain; `context` and `hidden` are ignored."""
+        v = self._first(list(history))
+        steps = [v]
+        for _ in range(self.horizon - 1):
+            v = v @ self.T
+            steps.append(v)
+        states = np.array(steps)
+        survival = monotone_survival(1.0 - states[:, -1])
+        return Prediction(self.classes, normalise_rows(states[:, :-1]), survival)
+
+    def predict_batch(self, items: list[tuple[list[str], str | None]]) -> list[Prediction]:
+        return [self.predict(h, c) for h, c in items]
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "version": 1, "agents": self.agents, "horizon": self.horizon,
+                "alpha": self.alpha, "counts": self.counts.astype(int).tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MarkovPredictor":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a Markov predictor (format {d.get('format')!r}, expected {FORMAT!r})")
+        return cls(d["agents"], np.array(d["counts"], dtype=np.float64), int(d["horizon"]), float(d["alpha"]))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MarkovPredictor":
+        path = Path(path)
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such Markov model file") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a valid Markov model ({e})") from None
+
+
+def fit_markov(traces: Trace | list[Trace], horizon: int = 3, alpha: float = 1.0) -> MarkovPredictor:
+    """Count START -> first agent, agent -> next agent and last agent -> END over every workflow."""
+    traces = [traces] if isinstance(traces, Trace) else list(traces)
+    return fit_markov_seqs([[c.agent for c in calls] for t in traces for calls in t.workflows().values()],
+                           horizon, alpha)
+
+
+def fit_markov_seqs(seqs: list[list[str]], horizon: int = 3, alpha: float = 1.0) -> MarkovPredictor:
+    """`fit_markov` on agent sequences (one per workflow, in step order)."""
+    agents = sorted({a for s in seqs for a in s})
+    idx = {a: i for i, a in enumerate(agents)}
+    n = len(agents)
+    counts = np.zeros((n + 2, n + 2))
+    for s in seqs:
+        if not s:
+            continue
+        counts[n + 1, idx[s[0]]] += 1
+        for a, b in zip(s, s[1:]):
+            counts[idx[a], idx[b]] += 1
+        counts[idx[s[-1]], n + 1] += 1
+    return MarkovPredictor(agents, counts, horizon, alpha)

@@ -1,0 +1,115 @@
+"""Online check of prediction quality: how far to trust the predictor right now.
+
+For every call the monitor compares the predicted next event of the workflow (its next agent,
+or END) with what happened, and does the same for a first-order Markov baseline that it learns
+online from the very calls it watches. Over a rolling window:
+
+    trust = clip(1 + (acc_model - acc_baseline) / margin, 0, 1)
+
+so a predictor at least as accurate as the online baseline is fully trusted, one `margin` worse
+is not trusted at all, and trust moves smoothly in between. Until `min_samples` outcomes are
+seen, the offline-trained predictor is trusted. Trust falls when the workload drifts away from
+what the predictor was trained on (the online baseline adapts, the predictor does not) and
+comes back when the predictor is right again (or is retrained).
+
+The monitor also watches the lifecycle guardrail: `retired_reuse` is the share of recent calls
+whose cached prefix ran through retired nodes (cache of ended workflows). When it is high,
+ended workflows' cache is being reused by new ones (say, a chat whose turns arrive as separate
+one-call workflows) and "retired first" would evict exactly what comes back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+END = "<end>"
+
+
+class OnlineMarkov:
+    """Next-event counts (agent -> next agent or END), learned from the stream itself."""
+
+    def __init__(self):
+        self.counts: dict[str, dict[str, int]] = {}
+        self.overall: dict[str, int] = {}
+
+    def distribution(self, current: str | None) -> dict[str, float]:
+        row = self.counts.get(current) or self.overall
+        total = sum(row.values())
+        return {k: v / total for k, v in row.items()} if total else {}
+
+    def observe(self, current: str, nxt: str) -> None:
+        row = self.counts.setdefault(current, {})
+        row[nxt] = row.get(nxt, 0) + 1
+        self.overall[nxt] = self.overall.get(nxt, 0) + 1
+
+
+def _top(dist: dict[str, float]) -> str | None:
+    return max(sorted(dist), key=dist.get) if dist else None
+
+
+class QualityMonitor:
+    """Rolling accuracy and log-loss of the predictor against an online Markov baseline."""
+
+    def __init__(self, window: int = 200, min_samples: int = 30, margin: float = 0.1,
+                 retired_window: int = 200, retired_threshold: float = 0.1):
+        self.window, self.min_samples, self.margin = window, min_samples, margin
+        self.outcomes: deque[tuple[bool, bool, float, float]] = deque(maxlen=window)
+        self.baseline = OnlineMarkov()
+        self.retired: deque[bool] = deque(maxlen=retired_window)
+        self.retired_threshold = retired_threshold
+        self.total = 0
+
+    def record(self, current: str, predicted: dict[str, float], actual: str) -> None:
+        """`predicted`: the predictor's next-event distribution (agents and END) made at the
+        call of `current`; `actual`: the next agent, or END."""
+        base = self.baseline.distribution(current)
+        self.outcomes.append((_top(predicted) == actual, _top(base) == actual,
+                              -math.log(max(predicted.get(actual, 0.0), 1e-6)),
+                              -math.log(max(base.get(actual, 0.0), 1e-6))))
+        self.baseline.observe(current, actual)
+        self.total += 1
+
+    def record_match(self, retired_tokens: int) -> None:
+        """A call arrived; `retired_tokens` of its cached prefix sit in retired nodes."""
+        self.retired.append(retired_tokens > 0)
+
+    # ------------------------------------------------------------------ readings
+
+    @property
+    def accuracy(self) -> float:
+        return sum(o[0] for o in self.outcomes) / max(1, len(self.outcomes))
+
+    @property
+    def baseline_accuracy(self) -> float:
+        return sum(o[1] for o in self.outcomes) / max(1, len(self.outcomes))
+
+    @property
+    def log_loss(self) -> float:
+        return sum(o[2] for o in self.outcomes) / max(1, len(self.outcomes))
+
+    @property
+    def baseline_log_loss(self) -> float:
+        return sum(o[3] for o in self.outcomes) / max(1, len(self.outcomes))
+
+    @property
+    def trust(self) -> float:
+        if len(self.outcomes) < self.min_samples:
+            return 1.0
+        gap = self.accuracy - self.baseline_accuracy
+        return min(1.0, max(0.0, 1.0 + gap / self.margin))
+
+    @property
+    def retired_reuse(self) -> float:
+        return sum(self.retired) / len(self.retired) if self.retired else 0.0
+
+    @property
+    def retired_first(self) -> bool:
+        """Is evicting ended workflows' private cache first still safe?"""
+        return self.retired_reuse <= self.retired_threshold
+
+    def summary(self) -> dict:
+        return {"monitor_samples": self.total, "monitor_top1": self.accuracy,
+                "monitor_baseline_top1": self.baseline_accuracy, "monitor_log_loss": self.log_loss,
+                "monitor_baseline_log_loss": self.baseline_log_loss, "trust": self.trust,
+                "retired_reuse": self.retired_reuse}

@@ -1,0 +1,158 @@
+"""`NeuralPredictor`: the trained network behind the `Predictor` interface, plus save/load.
+
+A saved predictor is a directory with exactly these files (no pickle anywhere):
+- `model.safetensors`: every weight and the graph buffers;
+- `config.json`: format and version, known agents, model dims and variant, feature/hashing
+  parameters, the fitted temperatures, training info;
+- `markov.json`: the Markov baseline fit on the same training data (for evaluation reports).
+`load_predictor(save_predictor(p))` gives bit-identical predictions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
+from pbkv.predict.features import WORD, Featurizer
+from pbkv.predict.markov import MarkovPredictor
+from pbkv.predict.model import ModelConfig, PredictorNet
+
+FORMAT, VERSION = "pbkv-predictor", 1
+CHUNK = 1024  # rows per forward pass in predict_batch (bounds memory on long traces)
+
+
+class PredictorLoadError(ValueError):
+    """A saved predictor directory is missing, incomplete or corrupt (message: path + what)."""
+
+
+class NeuralPredictor:
+    """Wraps `PredictorNet`: features in, calibrated `Prediction`s out. Always in eval mode."""
+
+    def __init__(self, net: PredictorNet, agents: list[str], t_agent=None, t_cont=None,
+                 markov: MarkovPredictor | None = None, info: dict | None = None):
+        self.net = net.eval()
+        self.cfg: ModelConfig = net.cfg
+        self.agents = list(agents)
+        self.name, self.horizon = self.cfg.variant, self.cfg.horizon
+        self.feat = Featurizer(self.agents, self.cfg.features)
+        k = self.horizon
+        self.t_agent = np.ones(k) if t_agent is None else np.asarray(t_agent, dtype=np.float64)
+        self.t_cont = np.ones(k) if t_cont is None else np.asarray(t_cont, dtype=np.float64)
+        self.markov, self.info = markov, dict(info or {})
+
+    @property
+    def classes(self) -> list[str]:
+        return self.agents + [UNK]
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.net.parameters())
+
+    def tensors(self, items: list[tuple[list[str], str | None]], hiddens=None) -> dict[str, torch.Tensor]:
+        """Model inputs for `items` (text features only when the model reads text)."""
+        cfg = self.cfg
+        text = cfg.uses_context and cfg.context_dim == 0
+        x = {k: torch.from_numpy(v) for k, v in self.feat.batch(items, text=text).items()}
+        if cfg.uses_context and cfg.context_dim > 0:
+            x["hidden"] = self._hidden(hiddens, len(items))
+        return x
+
+    def _hidden(self, hiddens, n: int) -> torch.Tensor:
+        dim = self.cfg.context_dim
+        out = np.zeros((n, dim), dtype=np.float32)  # no hidden state: a zero vector (neutral input)
+        for i, h in enumerate(hiddens or [None] * n):
+            if h is not None:
+                h = np.asarray(h, dtype=np.float32).reshape(-1)
+                if h.shape != (dim,):
+                    raise ValueError(f"hidden must have {dim} values, got {h.shape[0]}")
+                out[i] = np.nan_to_num(h)
+        return torch.from_numpy(out)
+
+    def logits(self, items, hiddens=None) -> tuple[np.ndarray, np.ndarray]:
+        """Raw (uncalibrated) agent logits [N, K, A+1] and continuation logits [N, K], float64."""
+        if not items:
+            return np.zeros((0, self.horizon, len(self.agents) + 1)), np.zeros((0, self.horizon))
+        with torch.inference_mode():
+            outs = [self.net(self.tensors(items[i:i + CHUNK], None if hiddens is None else hiddens[i:i + CHUNK]))
+                    for i in range(0, len(items), CHUNK)]
+            a, c = outs[0] if len(outs) == 1 else (torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]))
+            return a.double().numpy(), c.double().numpy()
+
+    def to_predictions(self, agent_logits: np.ndarray, cont_logits: np.ndarray) -> list[Prediction]:
+        """Apply the temperatures: softmax(agent / T_k), survival = cumprod(sigmoid(cont / T_k))."""
+        z = agent_logits / self.t_agent[None, :, None]
+        z = np.exp(z - z.max(axis=-1, keepdims=True))
+        probs = normalise_rows(z)
+        cont = 1.0 / (1.0 + np.exp(-np.clip(cont_logits / self.t_cont[None, :], -60, 60)))
+        surv = np.cumprod(cont, axis=1)
+        classes = self.classes
+        return [Prediction(classes, probs[i], monotone_survival(surv[i])) for i in range(len(probs))]
+
+    def predict_batch(self, items: list[tuple[list[str], str | None]], hiddens=None) -> list[Prediction]:
+        return self.to_predictions(*self.logits(items, hiddens))
+
+    def predict(self, history: list[str], context: str | None = None,
+                hidden: np.ndarray | None = None) -> Prediction:
+        return self.predict_batch([(list(history), context)], None if hidden is None else [hidden])[0]
+
+
+def save_predictor(p: NeuralPredictor, path: str | Path) -> Path:
+    """Write `p` as a directory (created if needed); returns the path."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in p.net.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": FORMAT, "version": str(VERSION)})
+    f = p.cfg.features
+    config = {
+        "format": FORMAT, "version": VERSION, "agents": p.agents, "horizon": p.horizon,
+        "variant": p.cfg.variant, "model": p.cfg.to_dict(),
+        "temperature": {"agent": p.t_agent.tolist(), "continue": p.t_cont.tolist()},
+        "hashing": {"method": "zlib.crc32 % buckets", "tokens": WORD.pattern, "lowercase": True,
+                    "buckets": f.buckets, "max_chars": f.max_chars, "max_tokens": f.max_tokens},
+        "info": p.info,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if p.markov is not None:
+        p.markov.save(path / "markov.json")
+    return path
+
+
+def load_predictor(path: str | Path) -> NeuralPredictor:
+    """Read a directory written by `save_predictor`; raise `PredictorLoadError` naming what is wrong."""
+    path = Path(path)
+    if not path.is_dir():
+        raise PredictorLoadError(f"{path}: no such predictor directory")
+    cfg_path, w_path = path / "config.json", path / "model.safetensors"
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise PredictorLoadError(f"{p}: missing (not a saved predictor directory?)")
+    try:
+        config = json.loads(cfg_path.read_text())
+        if config.get("format") != FORMAT:
+            raise ValueError(f"format is {config.get('format')!r}, expected {FORMAT!r}")
+        if config.get("version") != VERSION:
+            raise ValueError(f"version {config.get('version')!r} is not supported (expected {VERSION})")
+        mcfg = ModelConfig(**config["model"])
+        agents = list(config["agents"])
+        if len(agents) != mcfg.n_agents:
+            raise ValueError(f"{len(agents)} agents but the model has {mcfg.n_agents}")
+        temp = config["temperature"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise PredictorLoadError(f"{cfg_path}: invalid config ({e})") from None
+    net = PredictorNet(mcfg)
+    try:
+        net.load_state_dict(load_file(str(w_path)), strict=True)
+    except (SafetensorError, RuntimeError, OSError, ValueError) as e:
+        raise PredictorLoadError(f"{w_path}: cannot load weights ({str(e).splitlines()[0]})") from None
+    markov = None
+    if (path / "markov.json").is_file():
+        try:
+            markov = MarkovPredictor.load(path / "markov.json")
+        except ValueError as e:
+            raise PredictorLoadError(str(e)) from None
+    return NeuralPredictor(net, agents, temp["agent"], temp["continue"], markov, config.get("info"))

@@ -1,0 +1,193 @@
+"""PBKV: hand-computed scores, retired-first order, conservative prefetch, the feedback loop."""
+
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers import BLOCK, FakePredictor, ids, make_cache, put
+from pbkv.cache import Tier
+from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest
+from test_policies import eviction_order, labels
+
+# P[k][class] over classes (a, b, c, <unk>); survival per step.
+W1 = ([[0.8, 0.2, 0, 0], [0.1, 0.9, 0, 0]], [1.0, 0.5])
+W2 = ([[0, 1, 0, 0], [1, 0, 0, 0]], [0.5, 0.5])
+
+
+def make(table, horizon=2, gamma=0.5, device=100, host=0, policy="pbkv"):
+    pred = FakePredictor(["a", "b", "c"], horizon, table)
+    ctx = PolicyContext(block_size=BLOCK, predictors={"fused": pred}, options={"gamma": gamma})
+    cache, pol = make_cache(device * BLOCK, host * BLOCK, policy=policy, ctx=ctx)
+    return cache, pol, pred
+
+
+def call(cache, pol, prompt, now, wf, agent, step, context=None):
+    """What the engine does for one call: arrival (prediction), serve (insert + tags), end."""
+    node, _ = cache.tree.match(ids(prompt))
+    call_ = SimpleNamespace(context=context, workflow_id=f"w{wf}", step=step)
+    pol.on_call_start(CallEvent(wf, agent, step, call_, node, now))
+    leaf = put(cache, prompt, now, workflow=wf, agent=agent)
+    pol.on_call_end(CallEvent(wf, agent, step, call_, leaf, now))
+    return leaf
+
+
+def two_workflows(policy="pbkv"):
+    cache, pol, pred = make({"w1": W1, "w2": W2}, policy=policy)
+    pol.on_workflow_start(1, "w1")
+    pol.on_workflow_start(2, "w2")
+    call(cache, pol, "Sa1", 1.0, 1, "a", 0, context="w1")
+    call(cache, pol, "Sb1", 2.0, 1, "b", 1, context="w1")
+    call(cache, pol, "Sa2", 3.0, 2, "a", 0, context="w2")
+    return cache, pol
+
+
+def test_scores_by_hand_on_two_workflows():
+    cache, pol = two_workflows()
+    # gamma .5: q_w1 = (a .8 + .5*.5*.1, b .2 + .25*.9) = (.825, .425); q_w2 = (a .25, b .5)
+    score = {p: pol.scores.score(cache.tree.match(ids(p))[0]) for p in ["S", "Sa1", "Sb1", "Sa2"]}
+    assert score["Sa1"] == pytest.approx(0.825)
+    assert score["Sb1"] == pytest.approx(0.425)
+    assert score["Sa2"] == pytest.approx(0.25)
+    # "S" is common (both workflows used it): every active workflow counts, for agents a and b
+    assert score["S"] == pytest.approx(0.825 + 0.425 + 0.25 + 0.5)
+    # "Sa" (shared by Sa1 and Sa2) is common too: total for agent a = .825 + .25
+    assert pol.scores.score(cache.tree.match(ids("Sa"))[0]) == pytest.approx(1.075)
+    assert eviction_order(cache) == labels("Sa2", "Sb1", "Sa1", "Sa", "S")
+
+
+def test_one_step_value():
+    cache, pol = two_workflows()
+    v1 = {p: pol.scores.one_step(cache.tree.match(ids(p))[0]) for p in ["Sa1", "Sb1", "Sa2"]}
+    assert v1 == pytest.approx({"Sa1": 0.8, "Sb1": 0.2, "Sa2": 0.0})
+
+
+def test_retired_first_then_ascending_score_then_lru():
+    cache, pol, _ = make({"w1": W1, "w2": W2})
+    for w in (1, 2):
+        pol.on_workflow_start(w, f"w{w}")
+    call(cache, pol, "Sa1", 1.0, 1, "a", 0, context="w1")
+    call(cache, pol, "Sc1", 2.0, 1, "c", 1, context="w1")   # agent c: predicted never again
+    call(cache, pol, "Sa2", 3.0, 2, "a", 0, context="w2")
+    call(cache, pol, "Sb2", 4.0, 2, "b", 1, context="w2")
+    pol.on_workflow_end(2, cache.end_workflow(2))
+    # Sa2/Sb2 are private to the ended w2: retired, gone first (LRU among them) although they
+    # are the most recent; then w1's nodes by score (Sc1 = 0 < Sa1), then the common prefix.
+    assert eviction_order(cache) == labels("Sa2", "Sb2", "Sc1", "Sa1", "Sa", "S")
+
+
+def test_retired_ablation_is_lru_after_retired():
+    cache, pol, _ = make({"w1": W1, "w2": W2}, policy="pbkv-retired")
+    for w in (1, 2):
+        pol.on_workflow_start(w, f"w{w}")
+    call(cache, pol, "Sa1", 1.0, 1, "a", 0)
+    call(cache, pol, "Sc1", 2.0, 1, "c", 1)
+    call(cache, pol, "Sa2", 3.0, 2, "a", 0)
+    pol.on_workflow_end(2, cache.end_workflow(2))
+    assert eviction_order(cache) == labels("Sa2", "Sa1", "Sc1", "Sa", "S")
+
+
+def test_shared_prefix_never_scores_below_its_descendants():
+    cache, pol = two_workflows()
+    for node in cache.tree.iter_nodes():
+        for child in node.children.values():
+            assert pol.scores.score(node) >= pol.scores.score(child) - 1e-12
+
+
+def prefetch_setup(free, retired, budget):
+    """Device: `retired` blocks of an ended workflow, 4 active blocks, `free` free blocks.
+    Host: w1's two offloaded branches, predicted next (V1 .8) and later (V1 .2)."""
+    device = 4 + retired + free
+    cache, pol, _ = make({"w1": W1, "w2": W2}, device=device, host=50)
+    for w in (1, 2):
+        pol.on_workflow_start(w, f"w{w}")
+    call(cache, pol, "XXa", 1.0, 1, "a", 0, context="w1")      # 3 blocks
+    call(cache, pol, "YYb", 2.0, 1, "b", 1, context="w1")      # 3 blocks
+    assert cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))  # both branches go to host
+    active = call(cache, pol, "Q" * 4, 3.0, 1, "a", 2, context="w1")
+    if retired:
+        call(cache, pol, "R" * retired, 4.0, 2, "a", 0, context="w2")
+        pol.on_workflow_end(2, cache.end_workflow(2))
+    return cache, pol, active, budget
+
+
+@pytest.mark.parametrize("free, retired, budget, want", [
+    (0, 0, 100, 0),        # no free and no dead space: nothing, even with bandwidth
+    (0, 3, 100, 3),        # retired space only: the best branch (XXa, 3 blocks) fits
+    (6, 0, 100, 6),        # free space for both branches
+    (6, 0, 3, 3),          # the link budget allows one branch only
+])
+def test_prefetch_uses_free_and_retired_space_only_within_budget(free, retired, budget, want):
+    cache, pol, active, _ = prefetch_setup(free, retired, budget)
+    active_before = {n.id for n in cache.tree.iter_nodes() if n.tier == Tier.DEVICE and not pol.scores.is_retired(n)}
+    req = PrefetchRequest(budget * BLOCK, cache.free(Tier.DEVICE), 5.0)
+    chosen = pol.prefetch(req)
+    loaded = 0
+    for node in chosen:
+        seg = [n for n in node.path() if n.tier != Tier.DEVICE]
+        move = cache.prepare_load(seg, keep_lock=False, allow_evict=pol.allow_evict_for_prefetch)
+        assert move is not None
+        cache.complete(move)
+        loaded += move.tokens
+    assert loaded == want * BLOCK
+    assert loaded <= req.budget_tokens
+    still = {n.id for n in cache.tree.iter_nodes() if n.tier == Tier.DEVICE}
+    assert active_before <= still, "a prefetch evicted an active node"
+    if chosen:
+        assert chosen[0] is cache.tree.match(ids("XXa"))[0]  # ranked by one-step value
+    cache.check()
+
+
+def feed(pol, cache, agent_seq, wf, t0, context):
+    pol.on_workflow_start(wf, f"w{wf}")
+    for step, agent in enumerate(agent_seq):
+        call(cache, pol, f"{wf:03d}{agent}", t0 + step, wf, agent, step, context=context)
+    pol.on_workflow_end(wf, cache.end_workflow(wf))
+
+
+def test_monitor_falls_back_to_lru_on_drift_and_recovers():
+    # The predictor says "a, then b, then the end"; the stream is a -> b (right), then a -> c
+    # (drift: the predictor is wrong, the online Markov baseline catches up), then a -> b again.
+    ab = ([[0, 1, 0, 0], [0, 1, 0, 0]], [1.0, 0.0])
+    end = ([[0, 1, 0, 0], [0, 1, 0, 0]], [0.0, 0.0])
+    cache, pol, _ = make({"a": ab, "b": end, "c": end}, device=5000)
+    wf = 0
+    for _ in range(40):
+        wf += 1
+        feed(pol, cache, ["a", "b"], wf, wf * 10.0, None)
+    assert pol.monitor.trust == 1.0 and pol.level == 10
+    for _ in range(100):
+        wf += 1
+        feed(pol, cache, ["a", "c"], wf, wf * 10.0, None)
+    assert pol.monitor.trust == 0.0 and pol.level == 0
+    # at trust 0, active nodes are ranked by LRU alone
+    assert pol.priority(cache.tree.match(ids(f"{wf:03d}a"))[0])[1] == 0
+    assert pol.prefetch(PrefetchRequest(10**6, 10**6, 0.0)) == []
+    for _ in range(250):
+        wf += 1
+        feed(pol, cache, ["a", "b"], wf, wf * 10.0, None)
+    assert pol.monitor.trust == 1.0 and pol.level == 10
+
+
+def test_retired_guard_turns_off_when_ended_cache_is_reused():
+    cache, pol, _ = make({}, device=5000)
+    # every call its own workflow, each extending the previous prompt (a chat split per turn)
+    prompt = "p"
+    for wf in range(1, 40):
+        prompt += "q"
+        pol.on_workflow_start(wf, f"w{wf}")
+        call(cache, pol, prompt, float(wf), wf, "a", 0)
+        pol.on_workflow_end(wf, cache.end_workflow(wf))
+    assert pol.monitor.retired_reuse > 0.9 and not pol.monitor.retired_first
+    last = cache.tree.match(ids(prompt))[0]
+    assert pol.scores.is_retired(last) and pol.priority(last)[0] == 1  # no longer "retired first"
+
+
+def test_unknown_agent_and_no_predictor_errors():
+    cache, pol, pred = make({})
+    pol.on_workflow_start(1, "w1")
+    call(cache, pol, "Zz", 1.0, 1, "never-seen-agent", 0)
+    node = cache.tree.match(ids("Zz"))[0]
+    assert pol.scores.score(node) >= 0
+    with pytest.raises(ValueError, match="needs a trained fused predictor"):
+        make_cache(10, policy="pbkv", ctx=PolicyContext(block_size=BLOCK))
