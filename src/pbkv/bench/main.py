@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.report import print_tables, write_json, write_plots
-from pbkv.bench.sweep import Source, SweepConfig, load_workload, run_sweep
+from pbkv.bench.sweep import SweepConfig, load_workload, run_sweep
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import policy_class
 
@@ -18,19 +18,12 @@ ABLATION = ["lru", "kvflow", "pbkv-retired", "pbkv-noprefetch", "pbkv-history", 
 
 
 @dataclass
-class BenchArgs:
-    sources: list[Source]
-    policies: list[str]
-    concurrency: list[int | None]
-    profile: str = "a6000-qwen3-32b"
-    device_tokens: int | None = None
-    host_tokens: int | None = None
-    disk_tokens: int | None = None
-    jobs: int = 2
+class BenchArgs(SweepConfig):
+    """A sweep plus where its results go and where its predictors come from."""
+
     out: Path = Path("results/bench")
     json_path: Path | None = None
     predictor: predictors_mod.PredictorSource = field(default_factory=predictors_mod.PredictorSource)
-    options: dict = field(default_factory=dict)
 
 
 def check(args: BenchArgs) -> list[str]:
@@ -54,9 +47,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         task = bar.add_task("training predictors", total=None)
         paths = predictors_mod.prepare(args.sources, pols, args.predictor, args.out / "models",
                                        progress=lambda done, total: bar.update(task, completed=done, total=total))
-        cfg = SweepConfig(sources=args.sources, policies=pols, concurrency=args.concurrency, profile=args.profile,
-                          device_tokens=args.device_tokens, host_tokens=args.host_tokens,
-                          disk_tokens=args.disk_tokens, jobs=args.jobs, options=args.options, predictors=paths)
+        cfg = replace(args, policies=pols, predictors=paths)
         bar.update(task, description="simulating", completed=0,
                    total=len(args.sources) * len(pols) * len(args.concurrency))
         records = run_sweep(cfg, on_done=lambda r: bar.update(

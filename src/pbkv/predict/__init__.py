@@ -13,7 +13,8 @@ Layer rule: imports only `pbkv.trace` and third-party libraries. The torch-based
 from importlib import import_module
 
 from pbkv.predict.base import END, UNK, Prediction, Predictor, check_prediction
-from pbkv.predict.evaluate import evaluate, split_by_task
+from pbkv.predict.evaluate import evaluate
+from pbkv.trace.transform import split_by_task
 from pbkv.predict.markov import MarkovPredictor, fit_markov
 
 _LAZY = {"NeuralPredictor": "predictor", "PredictorLoadError": "predictor", "save_predictor": "predictor",

@@ -1,4 +1,4 @@
-"""Scoring a predictor on a trace, and splitting a trace by task.
+"""Scoring a predictor on a trace (split one by task with `pbkv.trace.transform.split_by_task`).
 
 `evaluate(predictor, trace)` predicts at every call position s of every workflow (history = agents
 of calls 0..s, context of call s) and reports:
@@ -15,7 +15,6 @@ of calls 0..s, context of call s) and reports:
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import numpy as np
@@ -101,25 +100,3 @@ def evaluate(predictor: Predictor, trace: Trace, timing: bool = True) -> dict:
     out["nll_k1"] = float(np.mean(nll)) if pos else None
     out["us_per_call"] = time_predict(predictor, items) if timing else None
     return out
-
-
-def task_key(calls) -> str:
-    """The task of a workflow: the first line of step 0's context when it starts with "task:"
-    (ChatDev: runs of one task), otherwise the workflow id."""
-    ctx = calls[0].context or ""
-    return ctx.split("\n", 1)[0] if ctx.startswith("task:") else calls[0].workflow_id
-
-
-def split_by_task(trace: Trace, test_fraction: float = 0.5, seed: int = 0) -> tuple[Trace, Trace]:
-    """(train, test): a workflow is in test iff sha1(seed:task key) / 2^160 < test_fraction, so all
-    runs of one task land on the same side, the same way in every process. Calls keep file order."""
-    if not 0 <= test_fraction <= 1:
-        raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
-    test_ids = set()
-    for wf, calls in trace.workflows().items():
-        u = int(hashlib.sha1(f"{seed}:{task_key(calls)}".encode()).hexdigest(), 16) / 16 ** 40
-        if u < test_fraction:
-            test_ids.add(wf)
-    train = Trace(meta=trace.meta, calls=[c for c in trace.calls if c.workflow_id not in test_ids], path=trace.path)
-    test = Trace(meta=trace.meta, calls=[c for c in trace.calls if c.workflow_id in test_ids], path=trace.path)
-    return train, test

@@ -76,21 +76,24 @@ class QualityMonitor:
 
     # ------------------------------------------------------------------ readings
 
+    def _mean(self, column: int) -> float:
+        return sum(o[column] for o in self.outcomes) / max(1, len(self.outcomes))
+
     @property
     def accuracy(self) -> float:
-        return sum(o[0] for o in self.outcomes) / max(1, len(self.outcomes))
+        return self._mean(0)
 
     @property
     def baseline_accuracy(self) -> float:
-        return sum(o[1] for o in self.outcomes) / max(1, len(self.outcomes))
+        return self._mean(1)
 
     @property
     def log_loss(self) -> float:
-        return sum(o[2] for o in self.outcomes) / max(1, len(self.outcomes))
+        return self._mean(2)
 
     @property
     def baseline_log_loss(self) -> float:
-        return sum(o[3] for o in self.outcomes) / max(1, len(self.outcomes))
+        return self._mean(3)
 
     @property
     def trust(self) -> float:

@@ -16,17 +16,24 @@ from pbkv.trace.call import Call, Trace
 
 
 def task_key(calls: list[Call]) -> str:
+    """The task of a workflow: the first line of step 0's context when it starts with "task:"
+    (ChatDev: runs of one task), otherwise the workflow id."""
     first = (calls[0].context or "").split("\n", 1)[0]
     return first if first.startswith("task:") else calls[0].workflow_id
 
 
 def split_by_task(trace: Trace, test_fraction: float = 0.5, seed: int = 0) -> tuple[Trace, Trace]:
-    train, test = [], []
-    for calls in trace.workflows().values():
-        digest = hashlib.sha1(f"{seed}:{task_key(calls)}".encode()).digest()
-        side = test if int.from_bytes(digest[:8], "big") / 2 ** 64 < test_fraction else train
-        side.extend(calls)
-    return replace(trace, calls=train), replace(trace, calls=test)
+    """(train, test): a workflow is in test iff sha1(seed:task key) / 2^160 < test_fraction, so all
+    runs of one task land on the same side, the same way in every process. Calls keep file order."""
+    if not 0 <= test_fraction <= 1:
+        raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
+    test_ids = set()
+    for wf, calls in trace.workflows().items():
+        if int(hashlib.sha1(f"{seed}:{task_key(calls)}".encode()).hexdigest(), 16) / 16 ** 40 < test_fraction:
+            test_ids.add(wf)
+    train = replace(trace, calls=[c for c in trace.calls if c.workflow_id not in test_ids])
+    test = replace(trace, calls=[c for c in trace.calls if c.workflow_id in test_ids])
+    return train, test
 
 
 def flatten(trace: Trace) -> Trace:
