@@ -46,7 +46,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     with _bar(console) as bar:
         task = bar.add_task("training predictors", total=None)
         paths = predictors_mod.prepare(args.sources, pols, args.predictor, args.out / "models",
-                                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                       progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                       jobs=args.jobs)
         cfg = replace(args, policies=pols, predictors=paths)
         bar.update(task, description="simulating", completed=0,
                    total=len(args.sources) * len(pols) * len(args.concurrency))

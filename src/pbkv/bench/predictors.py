@@ -28,33 +28,42 @@ def variants_needed(policies: list[str]) -> list[str]:
     return list(dict.fromkeys(v for p in policies if (v := needed_predictor(p)) is not None))
 
 
-def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, progress=None) -> dict:
-    """Train or locate every predictor the sweep needs; return {(workload, variant): directory}."""
-    from pbkv.trace import read_trace
+def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, progress=None, jobs: int = 1) -> dict:
+    """Train or locate every predictor the sweep needs; return {(workload, variant): directory}.
 
+    Trainings run in `jobs` worker processes (each trains on one thread); with one training or
+    one job it runs here and `progress(step, steps)` follows its steps, else `progress(done, n)`
+    counts finished trainings."""
     variants = variants_needed(policies)
-    if not variants:
-        return {}
     paths: dict[tuple[str, str], str] = {}
-    shared: dict[str, str] = {}
+    todo: dict[str, tuple] = {}  # folder -> (trace files or generator source, variant)
     for source in sources:
         for variant in variants:
             if psrc.model and variant == "fused":
                 paths[(source.name, variant)] = psrc.model
                 continue
             if psrc.train:
-                if variant not in shared:
-                    traces = [read_trace(f) for f in psrc.train]
-                    shared[variant] = _train_and_save(traces, variant, psrc, out / f"train-{variant}", progress)
-                paths[(source.name, variant)] = shared[variant]
+                folder, data = out / f"train-{variant}", tuple(psrc.train)
             elif source.spec:
-                traces = [training_trace(source)]
-                paths[(source.name, variant)] = _train_and_save(
-                    traces, variant, psrc, out / f"{source.name}-{variant}", progress)
+                folder, data = out / f"{source.name}-{variant}", source
             else:
                 users = [p for p in policies if needed_predictor(p) == variant]
                 raise ValueError(f"{', '.join(users)} needs a trained {variant} predictor to replay "
                                  f"{source.name}: pass --train FILE (or --model DIR)")
+            todo[str(folder)] = (data, variant)
+            paths[(source.name, variant)] = str(folder)
+    if len(todo) <= 1 or jobs <= 1:
+        for folder, (data, variant) in todo.items():
+            _train_and_save(data, variant, psrc, folder, progress)
+        return paths
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    with ProcessPoolExecutor(min(jobs, len(todo))) as pool:
+        futures = [pool.submit(_train_and_save, data, variant, psrc, folder, None)
+                   for folder, (data, variant) in todo.items()]
+        for done, future in enumerate(as_completed(futures), 1):
+            future.result()
+            if progress:
+                progress(done, len(futures))
     return paths
 
 
@@ -64,14 +73,17 @@ def training_trace(source):
     return generate(load_spec(source.spec), max(source.workflows, 500), source.seed + 1)
 
 
-def _train_and_save(traces, variant, psrc: PredictorSource, folder: Path, progress) -> str:
+def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> str:
+    """Train on `data` (trace files, or a generator source: its seed + 1 workflows) and save."""
     from pbkv.predict.predictor import save_predictor
     from pbkv.predict.train import train_predictor
+    from pbkv.trace import read_trace
+    traces = [read_trace(f) for f in data] if isinstance(data, tuple) else [training_trace(data)]
     kwargs = {"variant": variant, "horizon": psrc.horizon, "seed": 0}
     if psrc.epochs:
         kwargs["epochs"] = psrc.epochs
     predictor = train_predictor(traces, progress=progress, **kwargs)
-    save_predictor(predictor, folder)
+    save_predictor(predictor, Path(folder))
     return str(folder)
 
 
