@@ -218,6 +218,28 @@ def perf_sim(
                   f"({workload}, {policy}, concurrency {concurrency}; generation not counted)")
 
 
+@perf_app.command("policy")
+def perf_policy(
+    workload: str = typer.Option("hover", help="Built-in workload."),
+    policy: str = typer.Option("pbkv"),
+    model: Optional[Path] = typer.Option(None, help="Predictor saved by `pbkv train` (for pbkv policies)."),
+    workflows: int = typer.Option(600, min=1),
+    concurrency: int = typer.Option(160, min=1),
+    device_tokens: Optional[int] = typer.Option(None, min=1),
+    host_tokens: Optional[int] = typer.Option(0, min=0),
+):
+    """Wall time of policy decisions vs simulated run time (target <= 5%); predictions made live."""
+    from pbkv.bench.perf import policy_overhead
+    try:
+        r = policy_overhead(workload, policy, str(model) if model else None, workflows, concurrency,
+                            device_tokens, host_tokens)
+    except ValueError as e:
+        _fail(str(e))
+    console.print(f"{policy} on {workload} (concurrency {concurrency}): {r['policy_seconds']:.2f} s of policy decisions "
+                  f"for {r['calls']} calls ({r['us_per_call']:.0f} us per call) in a simulated run of "
+                  f"{r['makespan_s']:,.0f} s: {r['overhead'] * 100:.3f}% added")
+
+
 @perf_app.command("evict")
 def perf_evict(nodes: int = typer.Option(100_000, min=100), policy: str = typer.Option("lru")):
     """Eviction cost per evicted node in a tree of NODES nodes (target <= 50 us)."""

@@ -21,6 +21,30 @@ def sim_speed(workload: str, workflows: int, concurrency: int, policy: str) -> d
     return {"calls": record["calls"], "seconds": seconds, "calls_per_minute": record["calls"] / seconds * 60}
 
 
+def policy_overhead(workload: str, policy: str, model: str | None, workflows: int, concurrency: int,
+                    device_tokens: int | None, host_tokens: int | None) -> dict:
+    """Wall time of the policy's decisions (live predictions, one per call, on one torch thread)
+    against the simulated makespan of the same run: what the policy would add to serving time."""
+    from pbkv.bench.predictors import load
+    from pbkv.policy.registry import needed_predictor
+    from pbkv.workloads import generate, load_spec
+    spec = load_spec(workload)
+    wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
+    variant = needed_predictor(policy)
+    if variant and not model:
+        raise ValueError(f"{policy} needs a predictor: pass --model DIR (saved by `pbkv train`)")
+    predictors = {variant: load(model)} if variant else {}
+    cfg = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
+                    device_tokens=device_tokens, host_tokens=host_tokens, predictors=predictors,
+                    options={"live_predictions": True})
+    start = time.perf_counter()
+    record = simulate(wl, cfg)
+    return {"calls": record["calls"], "wall_seconds": time.perf_counter() - start,
+            "policy_seconds": record["policy_seconds"], "makespan_s": record["makespan_s"],
+            "us_per_call": record["policy_seconds"] / record["calls"] * 1e6,
+            "overhead": record["policy_overhead"]}
+
+
 def evict_speed(nodes: int, policy: str, seed: int = 0) -> dict:
     """Build a tree of `nodes` device nodes (one-block prompts under 1,000 shared prefixes),
     then evict 10% of them one eviction call at a time, as an engine under pressure does."""

@@ -75,7 +75,7 @@ def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
     caps = cfg.capacities()
     check_fits(workload, caps.device)
     predictors = cfg.predictors
-    if predictors and not cfg.options.get("online_learner"):
+    if predictors and not (cfg.options.get("online_learner") or cfg.options.get("live_predictions")):
         from pbkv.predict.cached import CachedPredictor  # same answers, batched ahead of the run
         predictors = {v: CachedPredictor(p, workload.workflows) for v, p in predictors.items()}
     ctx = PolicyContext(block_size=workload.trace.block_size, agent_graph=workload.agent_graph,
