@@ -112,6 +112,10 @@ class QualityMonitor:
         return self.retired_reuse <= self.retired_threshold
 
     def summary(self) -> dict:
+        """The readings, for a bench record; none of the prediction ones when nothing was
+        predicted (a policy without a predictor, e.g. pbkv-retired)."""
+        if self.total == 0:
+            return {"retired_reuse": self.retired_reuse}
         return {"monitor_samples": self.total, "monitor_top1": self.accuracy,
                 "monitor_baseline_top1": self.baseline_accuracy, "monitor_log_loss": self.log_loss,
                 "monitor_baseline_log_loss": self.baseline_log_loss, "trust": self.trust,
