@@ -191,3 +191,24 @@ def test_unknown_agent_and_no_predictor_errors():
     assert pol.scores.score(node) >= 0
     with pytest.raises(ValueError, match="needs a trained fused predictor"):
         make_cache(10, policy="pbkv", ctx=PolicyContext(block_size=BLOCK))
+
+
+def test_perfect_predictor_and_policy_read_the_replayed_future():
+    from pbkv.bench.run import RunConfig, Workload, simulate
+    from pbkv.engine.profiles import load_profile
+    from pbkv.policy.registry import needed_predictor, needs_future
+    from pbkv.predict.perfect import PerfectPredictor
+    from pbkv.workloads import generate, load_spec
+
+    spec = load_spec("hover")
+    wl = Workload("hover", generate(spec, 12, 0), spec.edges())
+    calls = wl.workflows[0]
+    pred = PerfectPredictor(wl.workflows, horizon=2).predict([c.agent for c in calls[:1]], calls[0].context)
+    assert pred.top(1) == calls[1].agent and pred.top(2) == calls[2].agent
+    assert list(pred.survival) == [1.0, 1.0]
+    last = PerfectPredictor(wl.workflows, horizon=2).predict([c.agent for c in calls], calls[-1].context)
+    assert list(last.survival) == [0.0, 0.0]
+    assert needs_future("pbkv-perfect") and needed_predictor("pbkv-perfect") is None
+    record = simulate(wl, RunConfig(policy="pbkv-perfect", concurrency=4, profile=load_profile("a6000-qwen3-32b"),
+                                    device_tokens=20000, host_tokens=0))
+    assert record["calls"] == sum(map(len, wl.workflows)) and record["monitor_top1"] == 1.0

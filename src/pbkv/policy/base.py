@@ -28,7 +28,7 @@ class PolicyContext:
 
     `agent_graph` is the static workflow graph (agent -> possible next agents, with "START" and
     "END"), known to a developer who wrote the workflow; `static_sequence` is the agent order
-    when the workflow is static; `future` is the replayed trace's future, only for the oracle;
+    when the workflow is static; `future` is the replayed trace's future, only for policies that read it (oracle, pbkv-perfect);
     `predictors` maps a variant name ("fused", "history", "context") to a trained predictor."""
 
     block_size: int = 16
@@ -41,7 +41,11 @@ class PolicyContext:
 
 @dataclass
 class CallEvent:
-    """A call starting or ending: who made it and the deepest node of its prompt's cached path."""
+    """A call starting or ending: who made it and the deepest node of its prompt's cached path.
+
+    `hidden` is the serving model's hidden state at the call's last prompt token (a 1-D float
+    array), known once its prefill ran: a real engine sets it in `on_prefill` and `on_call_end`
+    events; it is None in `on_call_start` and in the simulator (which has no model)."""
 
     workflow: int
     agent: str
@@ -49,6 +53,7 @@ class CallEvent:
     call: Call
     node: Node
     now: float
+    hidden: object = None
 
 
 @dataclass
@@ -100,6 +105,9 @@ class Policy:
 
     def on_call_start(self, event: CallEvent) -> None:
         pass
+
+    def on_prefill(self, event: CallEvent) -> None:
+        """A real engine finished the call's prefill; `event.hidden` is the context signal."""
 
     def on_call_end(self, event: CallEvent) -> None:
         pass

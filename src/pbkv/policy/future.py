@@ -30,6 +30,7 @@ class Future:
 
     def __init__(self, workflows: list[list[Call]], block_size: int, concurrency: int | None,
                  duration: Callable[[Call], float]):
+        self.workflows = workflows
         self.concurrency = concurrency
         self.index = {calls[0].workflow_id: i for i, calls in enumerate(workflows)}
         self.offsets: list[list[float]] = []   # per workflow: nominal issue time of each call

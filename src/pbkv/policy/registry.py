@@ -15,6 +15,7 @@ BUILTIN: dict[str, str] = {
     "pbkv-noprefetch": "pbkv.policy.pbkv:PBKVNoPrefetchPolicy",
     "pbkv-history": "pbkv.policy.pbkv:PBKVHistoryPolicy",
     "pbkv-context": "pbkv.policy.pbkv:PBKVContextPolicy",
+    "pbkv-perfect": "pbkv.policy.pbkv_perfect:PBKVPerfectPolicy",
 }
 
 
@@ -56,7 +57,10 @@ def needs_future(name: str) -> bool:
 
 
 def needed_predictor(name: str) -> str | None:
-    """The predictor variant a policy needs ("fused", "history", "context"), or None."""
+    """The trained predictor variant a policy needs ("fused", "history", "context"), or None
+    (a policy reading the trace's future brings its own)."""
     cls = policy_class(name)
+    if getattr(cls, "reads_future", False):
+        return None
     uses = getattr(cls, "use_scores", False) or getattr(cls, "use_prefetch", False)
     return getattr(cls, "variant", None) if uses else None
