@@ -95,3 +95,16 @@ def test_same_seed_gives_byte_identical_json(small_sweep):
     a = json.dumps(run_sweep(small_sweep))
     b = json.dumps(run_sweep(SweepConfig(**{**small_sweep.__dict__, "jobs": 2})))
     assert a == b
+
+
+def test_two_requests_for_one_host_prefix_load_it_once():
+    # both workflows evict P to host with their big middle calls, then ask for P at the same time
+    def wf(name, other):
+        return [Call(name, 0, "a", 160, 1, list(range(10))),
+                Call(name, 1, "b", 160, 1, list(range(other, other + 10))),
+                Call(name, 2, "a", 160, 1, list(range(10)))]
+    wl = Workload("t", Trace(TraceMeta(block_size=16), wf("w1", 100) + wf("w2", 200)))
+    rec, engine, _ = run(wl, device=400, host=1000, concurrency=2)
+    assert engine.cache.stats.loaded[1] == 160 and engine.stats.loads == 1
+    assert rec.host_hit == 159 and rec.device_hit == 159  # the second waited for the load, then hit
+    engine.cache.check()

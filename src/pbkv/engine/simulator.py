@@ -68,6 +68,7 @@ class Simulator:
         self._sum_input = 0   # prompt tokens of running requests
         self._sum_join = 0    # decode step at which each running request joined
         self._link_free_at = 0.0
+        self._inflight: dict[int, float] = {}  # node id -> when the load moving it up completes
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
         self.max_running = prof.max_running
@@ -165,6 +166,11 @@ class Simulator:
         """Match, then load the prefix from below or pin it and reserve space for the rest."""
         call = req.call
         node, matched = self.tree.match(call.hash_ids)
+        busy = [self._inflight[n.id] for n in node.path() if n.id in self._inflight] if matched else []
+        if busy:  # another load is moving part of this prefix up: wait for it (never split or load it twice)
+            req.loading = True
+            self.at(max(busy), lambda: setattr(req, "loading", False))
+            return LOADING
         if matched and node.end > matched:  # pin and load only what matches
             node = self.tree.split(node, matched - node.start)
         path = node.path() if matched else []
@@ -181,7 +187,7 @@ class Simulator:
                 return BLOCKED
             self._count_hits(req, per_tier)
             req.move, req.loading, req.node = move, True, lower[-1]
-            done_at = self._transfer(self._tokens_by_tier(lower))
+            done_at = self._start_load(lower)
             self.at(done_at, lambda: self._load_done(req))
             return LOADING
         pin = path[-1] if path else None
@@ -218,8 +224,19 @@ class Simulator:
         req.device_hit, req.host_hit, req.disk_hit = per_tier
         req.recomputed = req.call.input_length - sum(per_tier)
 
+    def _start_load(self, nodes: list[Node]) -> float:
+        done_at = self._transfer(self._tokens_by_tier(nodes))
+        for n in nodes:
+            self._inflight[n.id] = done_at
+        return done_at
+
+    def _complete(self, move) -> None:
+        self.cache.complete(move)
+        for n in move.nodes:
+            self._inflight.pop(n.id, None)
+
     def _load_done(self, req: Request) -> None:
-        self.cache.complete(req.move)
+        self._complete(req.move)
         req.move, req.loading = None, False
 
     def _after_prefill(self, req: Request) -> None:
@@ -303,7 +320,7 @@ class Simulator:
                 n = n.parent
             segment.reverse()
             tokens = sum(n.tokens for n in segment)
-            if not segment or tokens > budget or any(n.lock for n in segment):
+            if not segment or tokens > budget or any(n.lock or n.id in self._inflight for n in segment):
                 continue
             move = self.cache.prepare_load(segment, keep_lock=False,
                                            allow_evict=self.policy.allow_evict_for_prefetch)
@@ -311,8 +328,8 @@ class Simulator:
                 continue
             budget -= tokens
             self.stats.prefetched_tokens += tokens
-            done_at = self._transfer(self._tokens_by_tier(segment))
-            self.at(done_at, lambda m=move: self.cache.complete(m))
+            done_at = self._start_load(segment)
+            self.at(done_at, lambda m=move: self._complete(m))
 
     def _event(self, req: Request, node: Node | None) -> CallEvent:
         call = req.call
