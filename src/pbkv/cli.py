@@ -63,14 +63,27 @@ def bench(
     model: Optional[Path] = typer.Option(None, help="Load the predictor saved by `pbkv train`."),
     horizon: Optional[int] = typer.Option(None, min=1, help="Prediction horizon K (default: the predictor's; 3 when training)."),
     online: bool = typer.Option(False, help="Retrain the predictor from finished workflows during the run."),
-    engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator)."),
+    engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator) or 'hf' (a real transformers model, wall-clock time)."),
+    model_path: str = typer.Option("tiny", help="--engine hf: 'tiny' (random small Llama), 'smollm2' (needs pbkv\\[smollm2]) or a local model directory."),
+    scale: float = typer.Option(1.0, help="--engine hf: divide every prompt and output length by this (prefix sharing kept)."),
+    load_rule: str = typer.Option("auto", help="--engine hf: host/disk prefixes: auto (load if estimated faster than recompute), load, recompute."),
+    threads: int = typer.Option(1, min=1, help="--engine hf: torch CPU threads."),
     jobs: int = typer.Option(2, min=1, help="Parallel worker processes."),
     out: Path = typer.Option(Path("results/bench"), help="Folder for the JSON, PNG plots and trained predictors."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="JSON path (default: OUT/bench.json)."),
 ):
     """Compare cache policies side by side on workloads or traces; print a table, save JSON and plots."""
+    hf = None
+    if engine == "hf":
+        from pbkv.bench.hf_run import HFConfig
+        from pbkv.engine.hf.engine import LOAD_RULES
+        if not scale >= 1:
+            _fail(f"--scale: must be >= 1, got {scale}")
+        if load_rule not in LOAD_RULES:
+            _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
+        hf = HFConfig(model_path=model_path, scale=scale, load_rule=load_rule, threads=threads, seed=seed)
     _run_bench(workload, trace, _split(policies), concurrency, profile, device_tokens, host_tokens, disk_tokens,
-               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path)
+               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf)
 
 
 @app.command()
@@ -96,15 +109,15 @@ def ablate(
 
 
 def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, host_tokens, disk_tokens, workflows,
-               seed, train, model, horizon, online, engine, jobs, out, json_path) -> None:
+               seed, train, model, horizon, online, engine, jobs, out, json_path, hf=None) -> None:
     from pbkv.bench.main import BenchArgs, run
     from pbkv.bench.predictors import PredictorSource
     from pbkv.bench.sweep import source_from_arg
     from pbkv.policy import UnknownPolicy
     from pbkv.trace import TraceError
 
-    if engine != "sim":
-        _fail(f"--engine: unknown engine {engine!r}; available: sim")
+    if engine not in ("sim", "hf"):
+        _fail(f"--engine: unknown engine {engine!r}; available: sim, hf")
     for path in [*(trace or []), *(train or [])] + ([model] if model else []):
         if not path.exists():
             _fail(f"{path}: no such file or directory")
@@ -115,13 +128,18 @@ def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, h
         options.update(online=True, train_files=[str(t) for t in train or []])
     args = BenchArgs(sources=sources, policies=policies, concurrency=_concurrency(concurrency), profile=profile,
                      device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens, jobs=jobs,
-                     out=out, json_path=json_path, options=options,
+                     out=out, json_path=json_path, options=options, engine=engine, hf=hf,
                      predictor=PredictorSource(model=str(model) if model else None,
                                                train=tuple(str(t) for t in train or []), horizon=horizon or 3))
     try:
         run(args, console)
     except (UnknownPolicy, TraceError, ValueError) as e:
         _fail(str(e))
+    except RuntimeError as e:  # the real engine: a model that cannot load, an engine stuck
+        from pbkv.engine.hf import EngineError, ModelLoadError
+        if isinstance(e, (ModelLoadError, EngineError)):
+            _fail(str(e))
+        raise
 
 
 @app.command()
@@ -362,6 +380,142 @@ def _print_predict_table(rows) -> None:
         table.add_row(label, *[f(m.get(f"top1_k{i}")) for i in range(1, k + 1)], f(m["end_acc"]), f(m["ece"]),
                       f(m["us_per_call"], "{:.0f}"))
     console.print(table)
+
+
+
+@app.command()
+def serve(
+    model: str = typer.Option("tiny", help="'tiny' (random small Llama, byte tokenizer), 'smollm2' (needs pbkv\\[smollm2]) or a local model directory."),
+    policy: str = typer.Option("pbkv", help="Cache policy: lru, kvflow, pbkv (or a variant, or package.module:Class)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (loopback by default; set --api-key before exposing it)."),
+    port: int = typer.Option(8000, min=0, max=65535),
+    api_key: Optional[str] = typer.Option(None, envvar="PBKV_API_KEY", help="Require 'Authorization: Bearer KEY' (env PBKV_API_KEY)."),
+    served_name: Optional[str] = typer.Option(None, help="Model id clients send (default: the model's name)."),
+    record: Optional[Path] = typer.Option(None, help="Write served calls as TRACE_FORMAT v1 traces into this folder."),
+    record_rotate: int = typer.Option(10_000, min=1, help="Calls per trace file before the next one starts."),
+    record_context: bool = typer.Option(False, help="Also record each call's latest message (as `context`)."),
+    model_dir: Optional[Path] = typer.Option(None, help="Predictor directory: loaded at start (if present), saved on shutdown."),
+    online: bool = typer.Option(True, help="Retrain the predictor from ended workflows while serving."),
+    learn_every: int = typer.Option(50, min=1, help="Retrain after this many ended workflows."),
+    idle_timeout: float = typer.Option(300.0, min=0.001, help="Seconds without calls after which a workflow ends."),
+    device_tokens: int = typer.Option(16384, min=1, help="Device KV capacity in tokens."),
+    host_tokens: Optional[int] = typer.Option(None, min=0, help="Host KV capacity (default 2 x device)."),
+    disk_tokens: Optional[int] = typer.Option(None, min=0, help="Disk KV capacity (default 4 x device)."),
+    disk_dir: Optional[Path] = typer.Option(None, help="Folder for disk-tier KV files (default: a temporary folder)."),
+    max_tokens_limit: int = typer.Option(1024, min=1, help="Largest max_tokens a request may ask for."),
+    default_max_tokens: int = typer.Option(256, min=1, help="max_tokens when a request gives none."),
+    max_body_bytes: int = typer.Option(1 << 20, min=1, help="Largest request body."),
+    max_queue: int = typer.Option(1024, min=1, help="Requests in flight before new ones get 429."),
+    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads."),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+):
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
+    engine, with workflow hints (workflow_id, agent, workflow_done; X-Workflow-Id, X-Agent)."""
+    try:
+        from pbkv.serve import ServeConfig, run
+    except ImportError as e:
+        _fail(f"pbkv serve needs the serve extra ({e.name} is missing): pip install 'pbkv\\[serve]'")
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
+    cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
+                      record=str(record) if record else None, record_rotate=record_rotate,
+                      record_context=record_context, model_dir=str(model_dir) if model_dir else None,
+                      online=online, learn_every=learn_every, idle_timeout=idle_timeout,
+                      device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens,
+                      disk_dir=str(disk_dir) if disk_dir else None, max_tokens_limit=max_tokens_limit,
+                      default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
+                      threads=threads)
+    try:
+        run(cfg, log_level=log_level)
+    except (ValueError, OSError) as e:
+        _fail(str(e))
+    except RuntimeError as e:
+        from pbkv.engine.hf import ModelLoadError
+        if isinstance(e, ModelLoadError):
+            _fail(str(e))
+        raise
+
+MODEL_PATH_HELP = "'tiny' (random small Llama), 'smollm2' (needs pbkv\\[smollm2]) or a local model directory."
+
+
+@app.command()
+def calibrate(
+    model_path: str = typer.Option("tiny", help=MODEL_PATH_HELP),
+    output: Path = typer.Option(..., "-o", "--output", help="Profile JSON to write (for --profile FILE)."),
+    max_len: int = typer.Option(512, min=32, help="Longest prompt measured, in tokens."),
+    repeats: int = typer.Option(2, min=1, help="Runs per measurement (the best counts)."),
+    threads: int = typer.Option(1, min=1, help="torch CPU threads (as the real engine will run)."),
+):
+    """Measure the real engine here (prefill vs prompt and cached prefix, decode step vs context, host copy
+    and disk read bandwidth) and write a simulator profile."""
+    from pbkv.bench.hf_run import HFConfig
+    from pbkv.bench.simcheck import calibrate as run_calibrate
+    from pbkv.engine.hf import ModelLoadError
+
+    try:
+        prof = run_calibrate(HFConfig(model_path=model_path, threads=threads), output, max_len, repeats)
+    except (ModelLoadError, ValueError, OSError) as e:
+        _fail(str(e))
+    for line in prof["sources"][:-1]:
+        console.print(line)
+    console.print(f"profile: {output}")
+
+
+@app.command()
+def simcheck(
+    model_path: str = typer.Option("tiny", help=MODEL_PATH_HELP),
+    profile: Optional[Path] = typer.Option(None, help="Calibrated profile JSON (default: calibrate now into OUT/profile.json)."),
+    workload: str = typer.Option("hover", help="A built-in workload name, spec file or trace file."),
+    workflows: int = typer.Option(8, min=1),
+    concurrency: int = typer.Option(4, min=1),
+    policies: str = typer.Option("lru,kvflow,pbkv,oracle"),
+    scale: float = typer.Option(8.0, help="Divide every length by this (prefix sharing kept)."),
+    device_tokens: Optional[int] = typer.Option(None, min=1, help="Default: 8 x the longest scaled call."),
+    host_tokens: Optional[int] = typer.Option(None, min=0),
+    disk_tokens: Optional[int] = typer.Option(None, min=0),
+    load_rule: str = typer.Option("auto", help="auto, load or recompute (host/disk prefixes)."),
+    train: Optional[list[Path]] = typer.Option(None, help="Traces to train the predictor on (needed to replay a trace file)."),
+    seed: int = typer.Option(0),
+    threads: int = typer.Option(1, min=1),
+    out: Path = typer.Option(Path("results/simcheck"), help="Folder for profile.json, simcheck.json, predictors."),
+):
+    """Replay one small workload on the real engine and on the simulator (calibrated profile), per policy,
+    and print both side by side."""
+    from pbkv.bench.hf_run import HFConfig
+    from pbkv.bench.predictors import PredictorSource
+    from pbkv.bench.simcheck import calibrate as run_calibrate
+    from pbkv.bench.simcheck import simcheck as run_simcheck
+    from pbkv.bench.simcheck import table
+    from pbkv.bench.sweep import source_from_arg
+    from pbkv.engine.hf import EngineError, ModelLoadError
+    from pbkv.engine.hf.engine import LOAD_RULES
+    from pbkv.policy import UnknownPolicy
+    from pbkv.trace import TraceError
+
+    if not scale >= 1:
+        _fail(f"--scale: must be >= 1, got {scale}")
+    if load_rule not in LOAD_RULES:
+        _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
+    hf = HFConfig(model_path=model_path, scale=scale, load_rule=load_rule, threads=threads, seed=seed)
+    try:
+        if profile is None:
+            profile = out / "profile.json"
+            console.print(f"calibrating {model_path} -> {profile}")
+            run_calibrate(hf, profile)
+        rows = run_simcheck(source_from_arg(workload, workflows, seed), _split(policies), concurrency, hf,
+                            str(profile), {"device_tokens": device_tokens, "host_tokens": host_tokens,
+                                           "disk_tokens": disk_tokens},
+                            PredictorSource(train=tuple(str(t) for t in train or [])), out,
+                            progress=lambda r: console.print(f"  {r['policy']} done"))
+    except (UnknownPolicy, TraceError, ValueError, OSError, ModelLoadError, EngineError) as e:
+        _fail(str(e))
+    first = rows[0]
+    console.print(table(rows, f"{workload} x{workflows}, concurrency {concurrency}, {model_path}, scale {scale:g}; "
+                              f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
+                              f"disk {first['disk_tokens']:,}"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simcheck.json").write_text(json.dumps(rows, indent=1) + "\n")
+    console.print(f"results: {out / 'simcheck.json'}")
 
 
 if __name__ == "__main__":

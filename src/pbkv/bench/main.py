@@ -49,7 +49,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
                                        progress=lambda done, total: bar.update(task, completed=done, total=total),
                                        jobs=args.jobs)
         cfg = replace(args, policies=pols, predictors=paths)
-        bar.update(task, description="simulating", completed=0,
+        bar.update(task, description="simulating" if args.engine == "sim" else "running the model", completed=0,
                    total=len(args.sources) * len(pols) * len(args.concurrency))
         records = run_sweep(cfg, on_done=lambda r: bar.update(
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"))

@@ -21,7 +21,11 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "call
                "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
                "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
                "device_tokens", "host_tokens", "disk_tokens", "makespan_s", "monitor_top1",
-               "monitor_baseline_top1", "trust", "retired_reuse")
+               "monitor_baseline_top1", "trust", "retired_reuse",
+               # real engine (--engine hf) only
+               "model", "scale", "wall_seconds", "idle_skipped_seconds", "computed_tokens", "prefill_seconds",
+               "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
+               "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class SweepConfig:
     jobs: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     options: dict = field(default_factory=dict)
     predictors: dict = field(default_factory=dict)   # (workload, variant) -> saved predictor dir
+    engine: str = "sim"                              # sim | hf
+    hf: object = None                                # pbkv.bench.hf_run.HFConfig when engine == "hf"
 
 
 @functools.lru_cache(maxsize=8)
@@ -71,8 +77,12 @@ def _run_one(args: tuple) -> dict:
     run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile),
                     device_tokens=cfg.device_tokens, host_tokens=cfg.host_tokens,
                     disk_tokens=cfg.disk_tokens, options=options, predictors=predictors)
-    record = simulate(load_workload(source), run)
-    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine="sim")
+    if cfg.engine == "hf":
+        from pbkv.bench.hf_run import HFConfig, run_hf
+        record = run_hf(load_workload(source), run, cfg.hf or HFConfig())
+    else:
+        record = simulate(load_workload(source), run)
+    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine)
     return record
 
 
@@ -80,7 +90,9 @@ def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
     """Run every configuration; `on_done(record)` is called as each finishes (any order)."""
     jobs = [(s, p, c, cfg) for s in cfg.sources for c in cfg.concurrency for p in cfg.policies]
     results: list[dict | None] = [None] * len(jobs)
-    if cfg.jobs <= 1 or len(jobs) == 1:
+    # real-engine runs go one after another in this process: one model load, and wall times
+    # not distorted by a second run competing for the cores
+    if cfg.jobs <= 1 or len(jobs) == 1 or cfg.engine == "hf":
         for i, job in enumerate(jobs):
             results[i] = _run_one(job)
             if on_done:

@@ -2,8 +2,8 @@
 capacities, atomic eviction in a policy's order and two-phase moves. No policy logic here."""
 
 from pbkv.cache.node import Node, Tier
-from pbkv.cache.tiered import Capacities, CacheStats, EvictionRules, Move, TieredCache
+from pbkv.cache.tiered import Capacities, CacheStats, EvictionRules, Move, Storage, TieredCache
 from pbkv.cache.tree import RadixTree, TreeError
 
 __all__ = ["Node", "Tier", "RadixTree", "TreeError", "TieredCache", "Capacities", "CacheStats",
-           "EvictionRules", "Move"]
+           "EvictionRules", "Move", "Storage"]

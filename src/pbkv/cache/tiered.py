@@ -11,7 +11,10 @@ Invariants (checked by `check`):
 - an evicted node moves one tier down when the policy keeps it and that tier can make room,
   otherwise it is dropped together with its subtree (whose KV is useless without the prefix);
 - a move is two-phase: `prepare_load` reserves space and pins the path, `complete` switches
-  tiers; between the two the nodes are readable in their source tier and cannot be evicted.
+  tiers; between the two the nodes are readable in their source tier and cannot be evicted;
+- when a `Storage` is attached (a real engine's KV tensors), it hears of every tier change,
+  split and removal at the moment the tree records it, so a node's data always sits in the
+  node's tier (the simulator attaches none).
 """
 
 from __future__ import annotations
@@ -32,6 +35,18 @@ class EvictionRules(Protocol):
     def priority(self, node: Node) -> tuple: ...
     def keep_on_evict(self, node: Node) -> bool: ...
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None: ...
+
+
+class Storage(Protocol):
+    """Where the nodes' data lives (a real engine's KV tensors); told of every change in the tree.
+
+    Calls happen inside the cache's own bookkeeping, on the caller's thread: `moved` after a
+    node's tier changed (eviction one tier down, or a completed load up), `split` after `upper`
+    was cut off the front of `lower`, `dropped` before a node leaves the tree for good."""
+
+    def moved(self, node: Node, src: Tier, dst: Tier) -> None: ...
+    def split(self, upper: Node, lower: Node) -> None: ...
+    def dropped(self, node: Node) -> None: ...
 
 
 @dataclass
@@ -77,8 +92,10 @@ class CacheStats:
 class TieredCache:
     """Token accounting and eviction for a `RadixTree` over device, host and disk."""
 
-    def __init__(self, tree: RadixTree, capacities: Capacities, rules: EvictionRules):
+    def __init__(self, tree: RadixTree, capacities: Capacities, rules: EvictionRules,
+                 storage: Storage | None = None):
         self.tree = tree
+        self.storage = storage
         self.capacity = capacities
         self.rules = rules
         self.usage = [0, 0, 0]
@@ -221,10 +238,27 @@ class TieredCache:
             self.reserved -= move.tokens
         self.tree.unlock(move.nodes[-1])
 
+    def discard(self, node: Node) -> bool:
+        """Drop `node` and its subtree now (their data is lost, e.g. a corrupt disk file).
+
+        Returns False and changes nothing while the node is locked (a lock covers its subtree's
+        locks, so an unlocked node has an unlocked subtree)."""
+        if not node.alive or node is self.tree.root:
+            return True
+        if node.lock:
+            return False
+        src = node.tier
+        self._drop(node)
+        self.rules.on_evict(node, src, None)
+        return True
+
     # ------------------------------------------------------------------ internals
 
     def _split(self, upper: Node) -> None:
         self.nodes[upper.tier] += 1
+        if self.storage is not None:
+            # right after a split the upper part has exactly one child: the node it was cut from
+            self.storage.split(upper, next(iter(upper.children.values())))
 
     def _lock_changed(self, node: Node, delta: int) -> None:
         self.locked[node.tier] += delta * node.tokens
@@ -250,6 +284,8 @@ class TieredCache:
         if parent.tier == dst:
             parent.same_tier_children += 1
         node.same_tier_children = sum(1 for c in node.children.values() if c.tier == dst)
+        if self.storage is not None:
+            self.storage.moved(node, src, dst)
         self.refresh(node)
 
     def _evict_node(self, node: Node) -> None:
@@ -279,6 +315,8 @@ class TieredCache:
             self.usage[n.tier] -= n.tokens
             self.nodes[n.tier] -= 1
             self.stats.dropped[n.tier] += n.tokens
+            if self.storage is not None:
+                self.storage.dropped(n)
             self.tree.remove(n)
         if parent is not self.tree.root and parent.same_tier_children == 0:
             self.refresh(parent)

@@ -33,3 +33,5 @@ class Request:
     # decode bookkeeping
     join_step: int = 0
     finish_step: int = 0
+    # what a real engine produced (pbkv.engine.hf: output token ids, logits, hidden state)
+    result: object = None

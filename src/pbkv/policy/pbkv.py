@@ -3,7 +3,9 @@
 Eviction order on the device (the cache never evicts a locked node):
   1. retired nodes (cache private to workflows that all ended), LRU among them;
   2. active nodes by ascending reuse score (`reuse_score.py`), ties by LRU.
-The host tier stays LRU, and retired nodes are dropped rather than written to host.
+Below the device, retired nodes go first too, then LRU. Retired nodes are written down a tier
+like any other (not dropped): "retired" is a guess from the tags (an agent's prompt seen by a
+single finished workflow looks retired), and a wrong guess must cost a load, not a recompute.
 Prefetch: `conservative_prefetch.py`. Predictions are refreshed at every call.
 
 Feedback (`pbkv.predict.monitor`): the predictor's next-event accuracy is compared online with a
@@ -11,6 +13,12 @@ Markov baseline learned from the same stream. As trust falls, scores are quantis
 coarsely, so more nodes tie and LRU decides: at trust 0 the order is plain LRU (after retired)
 and prefetch stops. When retired cache turns out to be reused by new workflows, retired-first
 is switched off. With an online learner, finished workflows retrain the predictor.
+
+Context signal: with a predictor that reads the serving model's hidden state (its config has
+`context_dim > 0`), a real engine's `on_prefill` event (the hidden state at the call's last
+prompt token) replaces the prediction made at call start, which had no hidden state yet; the
+latest hidden state of each workflow is kept and passed to later predictions of that workflow.
+Predictors without `context_dim` ignore it (they read the call's `context` text instead).
 
 Variants (ablations): `pbkv-retired` (retired first, then LRU), `pbkv-noprefetch`,
 `pbkv-history` (history-only predictor), `pbkv-context` (context-only predictor).
@@ -51,6 +59,9 @@ class PBKVPolicy(Policy):
         self.learner = opts.get("online_learner")
         self.history: dict[int, list[str]] = {}
         self.contexts: dict[int, list[str | None]] = {}
+        self.hiddens: dict[int, object] = {}      # workflow -> hidden state of its latest prefill
+        cfg = getattr(self.predictor, "cfg", None) or getattr(getattr(self.predictor, "inner", None), "cfg", None)
+        self.reads_hidden = bool(cfg is not None and cfg.uses_context and cfg.context_dim > 0)
         self.expected: dict[int, tuple[str, dict[str, float]]] = {}  # workflow -> (agent, next event)
         self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
         self.offloaded: dict[int, Node] = {}     # nodes evicted below the device (prefetch candidates)
@@ -64,18 +75,15 @@ class PBKVPolicy(Policy):
     # ---------------------------------------------------------------- ranking
 
     def priority(self, node: Node) -> tuple:
-        if node.tier != Tier.DEVICE:
-            return (1, 0, node.last_access)
         if self._retired(node):
             return (0, 0, node.last_access)
+        if node.tier != Tier.DEVICE:
+            return (1, 0, node.last_access)
         if not self.use_scores or self.level == 0:
             return (1, 0, node.last_access)
         score = self.scores.score(node)
         levels = 2 ** (2 * self.level)  # trust 1: ~1M levels (exact order); 0: one level (LRU)
         return (1, int(score / (1.0 + score) * levels), node.last_access)
-
-    def keep_on_evict(self, node: Node) -> bool:
-        return not self._retired(node)
 
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
@@ -98,9 +106,21 @@ class PBKVPolicy(Policy):
         self._observe_match(event.node)
         self.history[w].append(agent)
         self.contexts[w].append(event.call.context if event.call is not None else None)
+        self._predict(w, agent, self.hiddens.get(w))
+
+    def on_prefill(self, event: CallEvent) -> None:
+        if not self.reads_hidden or event.hidden is None or event.workflow not in self.history:
+            return
+        self.hiddens[event.workflow] = event.hidden
+        self._predict(event.workflow, event.agent, event.hidden)
+
+    def _predict(self, w: int, agent: str, hidden) -> None:
         if self.predictor is None:
             return
-        pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
+        if self.reads_hidden and hidden is not None:
+            pred = self.predictor.predict(self.history[w], self.contexts[w][-1], hidden)
+        else:
+            pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
         s1 = float(pred.survival[0])
         nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
@@ -116,6 +136,7 @@ class PBKVPolicy(Policy):
             self._learn(workflow)
         self.history.pop(workflow, None)
         self.contexts.pop(workflow, None)
+        self.hiddens.pop(workflow, None)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
                 self.retired[node.id] = node

@@ -1,0 +1,106 @@
+"""One run on the real engine (`pbkv bench --engine hf`): a workload, a policy, a concurrency.
+
+The same driver (`pbkv.driver.Replay`, closed-loop lanes or open-loop arrivals) drives the real
+engine exactly as it drives the simulator; the engine's wall clock (idle tool waits skipped, see
+`pbkv.engine.hf.transfer.WallClock`) replaces simulated time. The workload is first scaled
+(`--scale F`: every length / F, prefix sharing kept) so a real trace fits a CPU; block ids
+become token ids by the trace format's rule. Capacities are in (scaled) tokens; without
+`--device-tokens` the device holds 8 times the longest call, host = profile `host_ratio` x
+device, disk = 8 x device unless given.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pbkv.bench.run import RunConfig, Workload, check_fits
+from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
+from pbkv.driver import Recorder, Replay
+from pbkv.policy import PolicyContext, make_policy, needs_future
+from pbkv.policy.future import Future
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    model_path: str = "tiny"        # tiny | smollm2 | a local model directory
+    scale: float = 1.0
+    load_rule: str = "auto"
+    threads: int | None = 1         # torch CPU threads (None: leave torch's setting)
+    seed: int = 0
+    disk_dir: str | None = None     # default: a temporary directory per run
+
+
+_models: dict = {}
+
+
+def get_model(hf: HFConfig):
+    """Load a model once per process."""
+    import torch
+
+    from pbkv.engine.hf import load_model
+    if hf.threads:
+        torch.set_num_threads(hf.threads)
+    key = (hf.model_path, hf.seed)
+    if key not in _models:
+        _models[key] = load_model(hf.model_path, seed=hf.seed)
+    return _models[key]
+
+
+def hf_capacities(workload: Workload, cfg: RunConfig) -> Capacities:
+    longest = max(c.input_length + c.output_length for c in workload.trace.calls)
+    device = cfg.device_tokens or 8 * longest
+    host = cfg.host_tokens if cfg.host_tokens is not None else int(device * cfg.profile.host_ratio)
+    disk = cfg.disk_tokens if cfg.disk_tokens is not None else 8 * device
+    return Capacities(device, host, disk)
+
+
+def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> dict:
+    """Replay `workload` on the real model under `cfg`; the simulator's record plus real figures."""
+    from pbkv.engine.hf import EngineOptions, HFEngine, scale_trace
+
+    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale), workload.agent_graph)
+    caps = hf_capacities(scaled, cfg)
+    check_fits(scaled, caps.device)
+    lm = get_model(hf)
+    predictors = cfg.predictors
+    if predictors and not cfg.options.get("online_learner"):
+        from pbkv.predict.cached import CachedPredictor
+        predictors = {v: CachedPredictor(p, scaled.workflows) for v, p in predictors.items()}
+    ctx = PolicyContext(block_size=scaled.trace.block_size, agent_graph=scaled.agent_graph,
+                        static_sequence=scaled.static_sequence, options=cfg.options, predictors=predictors)
+    if needs_future(cfg.policy):
+        # the oracle's rough per-call cost: CPU-scale prefill and decode speeds
+        ctx.future = Future(scaled.workflows, scaled.trace.block_size, cfg.concurrency,
+                            lambda c: c.input_length / 5000 + c.output_length * 0.005)
+    policy = make_policy(cfg.policy, ctx)
+    cache = TieredCache(RadixTree(scaled.trace.block_size), caps, policy)
+    engine = HFEngine(lm, cache, policy, options=EngineOptions(load_rule=hf.load_rule, seed=hf.seed),
+                      disk_dir=hf.disk_dir)
+    start = time.perf_counter()
+    try:
+        recorder = Replay(engine, scaled.workflows, cfg.concurrency, Recorder(), progress).run()
+    finally:
+        engine.close()
+    wall = time.perf_counter() - start
+    record = recorder.summary()
+    s, kv = engine.stats, lm.kv_bytes_per_token
+    record.update({
+        "engine": "hf", "model": lm.name, "scale": hf.scale,
+        "wall_seconds": wall, "idle_skipped_seconds": engine.clock.skipped,
+        "computed_tokens": s.computed_tokens, "prefill_seconds": s.prefill_seconds,
+        "decode_seconds": s.decode_seconds, "decode_steps": s.decode_steps,
+        "loaded_host_tokens": s.loaded_tokens[Tier.HOST], "loaded_disk_tokens": s.loaded_tokens[Tier.DISK],
+        "bytes_loaded": kv * (s.loaded_tokens[Tier.HOST] + s.loaded_tokens[Tier.DISK]),
+        "bytes_offloaded": kv * cache.stats.demoted[Tier.DEVICE],
+        "prefetched_tokens": s.prefetched_tokens, "evictions": cache.stats.evictions,
+        "load_waits": s.load_waits, "recompute_instead_of_load": s.recompute_instead_of_load,
+        "failed_loads": s.failed_loads, "corrupt_files": engine.store.stats.corrupt,
+        "disk_files_written": engine.store.stats.files_written,
+        "device_tokens": caps.device, "host_tokens": caps.host, "disk_tokens": caps.disk,
+        "policy_seconds": s.policy_seconds,
+    })
+    monitor = getattr(policy, "monitor", None)
+    if monitor is not None:
+        record.update(monitor.summary())
+    return record

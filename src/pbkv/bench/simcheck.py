@@ -1,0 +1,75 @@
+"""`pbkv calibrate` and `pbkv simcheck`: how well does the simulator predict the real engine?
+
+`simcheck` replays one small workload twice per policy, with the same scaled trace, capacities,
+concurrency and predictor: on the real engine (wall clock) and on the simulator with a profile
+calibrated on this machine (`pbkv calibrate`), and prints both side by side. Differences come
+from what the simulator does not model (Python overheads, sequential decode, the worker
+thread's timing), so they show where its figures can be trusted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from rich.table import Table
+
+from pbkv.bench import predictors as predictors_mod
+from pbkv.bench.hf_run import HFConfig, get_model, hf_capacities, run_hf
+from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.bench.sweep import Source, load_workload
+from pbkv.engine.profiles import load_profile
+
+COMPARED = [("mean_workflow_latency_s", "lat s", False), ("mean_ttft_s", "TTFT s", False),
+            ("device_hit_rate", "dev %", True), ("host_hit_rate", "host %", True),
+            ("disk_hit_rate", "disk %", True), ("recomputed_tokens", "recomp", False)]
+
+
+def calibrate(hf: HFConfig, output: Path, max_len: int = 512, repeats: int = 2) -> dict:
+    """Measure the model of `hf` on this machine; write and return the profile JSON."""
+    from pbkv.engine.hf.calibrate import measure, to_profile
+    lm = get_model(hf)
+    profile = to_profile(lm, measure(lm, max_len, repeats, hf.seed), name=f"calibrated-{lm.name}")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(profile, indent=1) + "\n")
+    load_profile(str(output))  # the simulator must accept what we wrote
+    return profile
+
+
+def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: HFConfig, profile: str,
+             caps: dict, predictor: predictors_mod.PredictorSource, out: Path, progress=None) -> list[dict]:
+    """Per policy, a record with `real_<key>` and `sim_<key>` for the figures in COMPARED."""
+    from pbkv.engine.hf import scale_trace
+    workload = load_workload(source)
+    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale), workload.agent_graph)
+    paths = predictors_mod.prepare([source], policies, predictor, out / "models")
+    predictors = {variant: predictors_mod.load(path) for (_, variant), path in paths.items()}
+    prof = load_profile(profile)
+    rows = []
+    for policy in policies:
+        run = RunConfig(policy=policy, concurrency=concurrency, profile=prof, predictors=predictors, **caps)
+        real = run_hf(workload, run, hf)
+        c = hf_capacities(scaled, run)
+        sim = simulate(scaled, replace(run, device_tokens=c.device, host_tokens=c.host, disk_tokens=c.disk))
+        row = {"policy": policy, "device_tokens": c.device, "host_tokens": c.host, "disk_tokens": c.disk}
+        for key, _, _ in COMPARED:
+            row[f"real_{key}"], row[f"sim_{key}"] = real[key], sim[key]
+        rows.append(row)
+        if progress:
+            progress(row)
+    return rows
+
+
+def table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title, caption="each figure: real engine / simulator on the calibrated profile")
+    t.add_column("policy")
+    for _, label, _ in COMPARED:
+        t.add_column(label, justify="right", no_wrap=True)
+    for r in rows:
+        cells = []
+        for key, _, pct in COMPARED:
+            a, b = r[f"real_{key}"], r[f"sim_{key}"]
+            cells.append(f"{100 * a:.1f} / {100 * b:.1f}" if pct else f"{a:.3g} / {b:.3g}")
+        t.add_row(r["policy"], *cells)
+    return t

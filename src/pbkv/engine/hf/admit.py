@@ -1,0 +1,231 @@
+"""The real engine's cache side: admitting a request, loads and prefetches, inserting new KV.
+
+Mixed into `HFEngine` (engine.py), which holds `cache`, `tree`, `store`, `policy`, `rates`,
+`clock`, `opts`, `stats`, `_transfers` and `_inflight`. All tree and cache updates run on the
+engine's thread; the worker thread only copies tensors and reads and writes files.
+
+Admission of a request whose longest cached prefix reaches into host or disk (`_admit`):
+- load rule (`opts.load_rule`): "auto" loads when the estimated load time (bytes over the
+  measured bandwidth of each source tier, plus a fixed latency) is at most the estimated time to
+  recompute those tokens (tokens over the measured prefill rate); "load" always loads, and
+  "recompute" never does. A load is a two-phase move: `prepare_load` pins the nodes and reserves
+  device space, the worker reads them, and the engine completes the move when it is done (the
+  request waits; others run);
+- a prefix that is already in flight (another request's load, a prefetch) is waited for when
+  its remaining estimated time is at most the recompute estimate ("load": always), else
+  recomputed. A node in flight is never split: a request that diverges inside one waits;
+- recomputed prefix nodes are promoted to the device with the freshly computed KV (a move whose
+  data comes from the prefill), so new blocks can hang below them; with no room for that, the
+  request still runs and its new blocks are simply not cached;
+- a node whose data proved unreadable (`lost`) ends the usable prefix and is dropped from the
+  tree (with its subtree, whose KV is useless without it) as soon as nothing pins it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pbkv.cache import Move, Node, Tier
+from pbkv.engine.hf.transfer import Transfer, load_task
+from pbkv.engine.request import Request
+from pbkv.policy import PrefetchRequest
+
+ADMITTED, LOADING, WAIT, BLOCKED = "admitted", "loading", "wait", "blocked"
+
+
+@dataclass(eq=False)
+class Admission:
+    """What prefill needs: the device path to gather, how many tokens to reuse, a promotion."""
+
+    req: Request
+    path: list[Node]          # device nodes, root side first
+    cached: int               # prompt tokens whose KV comes from `path`
+    promote: Move | None = None
+
+
+class CacheOps:
+    # ------------------------------------------------------------------ admission
+
+    def _admit(self, req: Request) -> tuple[str, Admission | None]:
+        call, rule = req.call, self.opts.load_rule
+        node, matched = self.tree.match(call.hash_ids)
+        if matched and node.end > matched:
+            if node.id in self._inflight:
+                return self._wait(req), None
+            node = self.tree.split(node, matched - node.start)
+        path = node.path() if matched else []
+        for i, n in enumerate(path):
+            if self.store.is_lost(n):
+                path = path[:i]
+                break
+        cap = call.input_length - 1  # the last prompt token is always computed (its logits)
+        first = next((i for i, n in enumerate(path) if n.tier != Tier.DEVICE), len(path))
+        device = sum(n.tokens for n in path[:first])
+        promote, recomputing = None, first < len(path)
+        if recomputing:
+            lower = path[first:]
+            by_tier = [0, 0, 0]
+            for n in lower:
+                by_tier[n.tier] += n.tokens
+            recompute = self.rates.prefill_seconds(max(0, min(device + sum(by_tier), cap) - device))
+            busy = [self._inflight[n.id] for n in lower if n.id in self._inflight]
+            if busy:
+                if rule == "load" or (rule == "auto" and max(t.eta for t in busy) - self.clock.now() <= recompute):
+                    return self._wait(req), None
+            elif rule == "load" or (rule == "auto" and self.rates.load_seconds(by_tier) <= recompute):
+                move = self.cache.prepare_load(lower, keep_lock=True)
+                if move is not None:
+                    over = max(0, device + sum(by_tier) - cap)
+                    by_tier[lower[-1].tier] -= over
+                    self._count_hits(req, [min(device, cap)] + by_tier[1:])
+                    req.move, req.loading, req.node = move, True, lower[-1]
+                    self._start_transfer(move, req)
+                    return LOADING, None
+            if not busy and device + sum(by_tier) <= call.input_length:
+                # recompute, keeping the result: room on the device for these nodes' fresh KV
+                promote = self.cache.prepare_load(lower, keep_lock=True)
+            if promote is None:
+                path = path[:first]
+        cached = min(device, cap)
+        held = min(sum(n.tokens for n in path) if promote else device, call.input_length)
+        need = call.input_length - held + call.output_length
+        pin = path[-1] if path else None
+        if pin is not None and promote is None:
+            self.tree.lock(pin)
+        if not self.cache.reserve(need):
+            if promote is not None:
+                self.cache.abort(promote)
+            elif pin is not None:
+                self.tree.unlock(pin)
+            return BLOCKED, None
+        self._count_hits(req, [cached, 0, 0])
+        if recomputing:
+            self.stats.recompute_instead_of_load += 1
+        if req.node is not None:  # the pin its completed load held
+            self.tree.unlock(req.node)
+        req.node, req.reserved, req.cached, req.admitted = pin, need, cached, self.clock.now()
+        if pin is not None:
+            self.tree.touch(pin, req.admitted, req.workflow, call.agent)
+        return ADMITTED, Admission(req, path[:first], cached, promote)
+
+    def _wait(self, req: Request) -> str:
+        if id(req) not in self._waited:  # count each request once, however often it is polled
+            self._waited.add(id(req))
+            self.stats.load_waits += 1
+        return WAIT
+
+    def _count_hits(self, req: Request, per_tier: list[int]) -> None:
+        if req.counted:
+            return
+        req.counted = True
+        req.device_hit, req.host_hit, req.disk_hit = per_tier
+        req.recomputed = req.call.input_length - sum(per_tier)
+
+    def _unpin_waiting(self) -> bool:
+        """Nothing runs and the queue head cannot fit: release the prefixes queued requests
+        loaded and still pin (they are matched again when admitted). Whether anything was freed."""
+        freed = False
+        for req in self.waiting[1:]:
+            if req.node is not None and not req.loading:
+                self.tree.unlock(req.node)
+                req.node, freed = None, True
+        return freed
+
+    # ------------------------------------------------------------------ insertion
+
+    def _insert(self, req: Request, kv_of) -> None:
+        """Cache the prompt's new blocks on the device and move the request's pin to its deepest
+        node. `kv_of(start, end)` gives the prompt's KV for token positions [start, end)."""
+        call, bs = req.call, self.tree.block_size
+        node, m = self.tree.match(call.hash_ids)
+        if m and (node.tier != Tier.DEVICE or self.store.is_lost(node)):
+            return  # the prompt runs through uncached or lost nodes: nothing new can hang below
+        if node.end == m and m < len(call.hash_ids) and m and node.tail_tokens != bs:
+            return  # cannot extend a node whose last block is partial
+        tail = call.input_length - bs * (len(call.hash_ids) - 1)
+        leaf, added = self.cache.insert(call.hash_ids, tail, self.clock.now())
+        if added:
+            start = leaf.start * bs
+            self.store.attach(leaf, kv_of(start, start + leaf.tokens))
+        req.reserved -= added
+        self.tree.lock(leaf)
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        req.node = leaf
+
+    # ------------------------------------------------------------------ transfers
+
+    def _start_transfer(self, move: Move, req: Request | None) -> None:
+        tokens = [0, 0, 0]
+        for n in move.nodes:
+            tokens[n.tier] += n.tokens
+        entries = [(n.id, n.value) for n in move.nodes]
+        future = self.store.worker.submit(load_task, self.store, entries)
+        t = Transfer(move, future, self.clock.now() + self.rates.load_seconds(tokens), req, tokens)
+        self._transfers.append(t)
+        for n in move.nodes:
+            self._inflight[n.id] = t
+
+    def _poll_transfers(self, block: bool = False) -> None:
+        if block and self._transfers and not any(t.future.done() for t in self._transfers):
+            self._transfers[0].future.result()  # FIFO worker: the oldest finishes first
+        for t in [t for t in self._transfers if t.future.done()]:
+            self._finish_transfer(t)
+
+    def _finish_transfer(self, t: Transfer) -> None:
+        self._transfers.remove(t)
+        for n in t.move.nodes:
+            self._inflight.pop(n.id, None)
+        res = t.future.result()
+        for tier in (Tier.HOST, Tier.DISK):
+            if t.tokens[tier] and not res.errors:
+                self.rates.saw_load(tier, res.bytes_by_tier[tier], res.seconds * t.tokens[tier] / sum(t.tokens))
+        req = t.req
+        if res.errors:
+            self.cache.abort(t.move)
+            for n in t.move.nodes:
+                if n.id in res.errors:
+                    self.store.mark_lost(n)
+                    self._lost.add(n)
+            self._discard_lost()
+            self.stats.failed_loads += 1
+            if req is not None:  # back to the queue: it is matched again and recomputes
+                req.move, req.loading, req.node, req.counted = None, False, None, False
+            return
+        for n in t.move.nodes:
+            self.store.stage(n, res.tensors[n.id])
+        self.cache.complete(t.move)
+        self.stats.loaded_tokens[Tier.HOST] += t.tokens[Tier.HOST]
+        self.stats.loaded_tokens[Tier.DISK] += t.tokens[Tier.DISK]
+        if req is not None:
+            req.move, req.loading = None, False
+
+    def _discard_lost(self) -> None:
+        for n in list(self._lost):
+            if not n.alive or self.cache.discard(n):
+                self._lost.discard(n)
+
+    def _prefetch(self) -> None:
+        """A decode-only step with the link idle: offer the policy what the link moves meanwhile."""
+        if not self.opts.prefetch or self._transfers:
+            return
+        budget = self.rates.prefetch_budget()
+        wanted = self._timed(self.policy.prefetch,
+                             PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.clock.now()))
+        for node in wanted:
+            segment, n = [], node
+            while n.tier != Tier.DEVICE:
+                segment.append(n)
+                n = n.parent
+            segment.reverse()
+            tokens = sum(n.tokens for n in segment)
+            if (not segment or tokens > budget or any(n.lock or n.id in self._inflight for n in segment)
+                    or any(self.store.is_lost(n) for n in segment)):
+                continue
+            move = self.cache.prepare_load(segment, keep_lock=False,
+                                           allow_evict=self.policy.allow_evict_for_prefetch)
+            if move is None:
+                continue
+            budget -= tokens
+            self.stats.prefetched_tokens += tokens
+            self._start_transfer(move, None)

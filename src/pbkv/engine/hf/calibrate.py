@@ -1,0 +1,130 @@
+"""`pbkv calibrate`: measure the real engine on this machine and write a simulator profile.
+
+Measured (best of `repeats` runs each, one process, the torch thread count as set):
+- prefill seconds for new tokens x cached-prefix tokens; fitted by least squares as
+  overhead + FLOPs / rate with the cost model's FLOPs (2 x params x new + attention), which gives
+  `step_overhead_ms` and an effective FLOP rate (`gpu.tflops`, with `prefill_mfu` = 1);
+- one decode step of one request at a short and a long context: the short one sets the compute
+  term (`decode_mfu`), the long one the memory term (`hbm_gbps` such that weights + that
+  context's KV take its time; `decode_bw_eff` = 1). The real engine decodes running requests one after another, so its step
+  grows linearly with the batch: the simulator's compute term (2 x params x batch) does too;
+- host copy (a RAM tensor copy: the host->device "link" of a CPU run) bandwidth and latency ->
+  `pcie_gbps` (`pcie_eff` = 1), `load_latency_ms`;
+- disk read of a KV file as the store reads it (file read, safetensors parse, sha256) ->
+  `disk_gbps`, `disk_latency_ms`.
+The real engine prefills one request per pass (`max_prefill_tokens` = 1 makes the simulator do
+the same). `memory_gib` is set so that the profile's default device capacity is
+`device_tokens` KV tokens (pass `--device-tokens` to a run to choose another).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save_file
+
+from pbkv.engine.hf.kvstore import tensor_sha256
+from pbkv.engine.hf.model import LoadedModel, cache_to_kv, forward, make_cache
+
+GIB = 1024 ** 3
+
+
+def _best(fn, repeats: int) -> float:
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return min(out)
+
+
+def measure(lm: LoadedModel, max_len: int = 512, repeats: int = 2, seed: int = 0) -> dict:
+    """Raw timings on this machine (seconds, bytes); see the module docstring."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(lm.vocab_size // 8, lm.vocab_size, (max_len + 8,), generator=g).tolist()
+    forward(lm, ids[:16], make_cache(None))  # warm-up
+    prefill = []
+    for cached in (0, max_len // 2):
+        past = forward(lm, ids[:cached], make_cache(None))[2] if cached else None
+        kv = cache_to_kv(past) if past is not None else None
+        for new in sorted({max(8, max_len // 8), max_len // 4, max_len // 2}):
+            sec = _best(lambda: forward(lm, ids[cached:cached + new], make_cache(kv)), repeats)
+            prefill.append({"new": new, "cached": cached, "seconds": sec})
+    decode = []
+    for ctx in (16, max_len):
+        _, _, cache = forward(lm, ids[:ctx], make_cache(None))
+        kv = cache_to_kv(cache)
+        steps = 4
+        sec = _best(lambda: [forward(lm, [ids[ctx + i]], make_cache(kv)) for i in range(steps)], repeats) / steps
+        decode.append({"context": ctx, "seconds": sec})
+    kv_big = lm.empty_kv(max_len).normal_()
+    kv_small = lm.empty_kv(1).normal_()
+    nbytes = kv_big.numel() * kv_big.element_size()
+    host_big = _best(lambda: kv_big.to("cpu", copy=True), repeats + 2)
+    host_small = _best(lambda: kv_small.to("cpu", copy=True), repeats + 2)
+    with tempfile.TemporaryDirectory(prefix="pbkv-calibrate-") as d:
+        big, small = Path(d) / "big.safetensors", Path(d) / "small.safetensors"
+        save_file({"kv": kv_big.cpu()}, str(big))
+        save_file({"kv": kv_small.cpu()}, str(small))
+
+        def read(p: Path):
+            tensor_sha256(st_load(p.read_bytes())["kv"])
+        disk_big, disk_small = _best(lambda: read(big), repeats + 1), _best(lambda: read(small), repeats + 1)
+    return {"prefill": prefill, "decode": decode, "kv_bytes": nbytes,
+            "host": {"big": host_big, "small": host_small}, "disk": {"big": disk_big, "small": disk_small},
+            "params": sum(p.numel() for p in lm.model.parameters()), "threads": torch.get_num_threads()}
+
+
+def to_profile(lm: LoadedModel, m: dict, name: str, device_tokens: int = 16384) -> dict:
+    """A `pbkv.engine.profiles.Profile` JSON object fitted to measurements `m`."""
+    cfg = lm.model.config
+    heads, params = cfg.num_attention_heads, m["params"]
+    attn = 4 * lm.layers * heads * lm.head_dim
+    flops = np.array([2 * params * p["new"] + attn * p["new"] * (p["cached"] + p["new"] / 2) for p in m["prefill"]])
+    secs = np.array([p["seconds"] for p in m["prefill"]])
+    (overhead, per_flop), *_ = np.linalg.lstsq(np.stack([np.ones_like(flops), flops], 1), secs, rcond=None)
+    overhead = max(0.0, float(overhead))
+    if per_flop <= 0:  # noise-dominated (a tiny model): fall back to the largest run's average rate
+        per_flop = float(secs.max() / flops[secs.argmax()])
+    rate = 1.0 / per_flop
+    short, long = m["decode"]
+    dec = max(1e-6, short["seconds"] - overhead)
+    dtype_bytes = torch.finfo(lm.dtype).bits // 8
+    kv_token = lm.kv_bytes_per_token
+    weights = params * dtype_bytes
+    # the simulator's step is max(compute, memory): compute (linear in the batch) matches the short
+    # context, memory ((weights + KV of the context) / bandwidth) matches the long one
+    hbm = min(1e4, (weights + kv_token * long["context"]) / max(1e-6, long["seconds"] - overhead) / 1e9)
+    memory_gib = (weights + device_tokens * kv_token) / GIB
+    host_gbps = m["kv_bytes"] / max(1e-9, m["host"]["big"] - m["host"]["small"]) / 1e9
+    disk_gbps = m["kv_bytes"] / max(1e-9, m["disk"]["big"] - m["disk"]["small"]) / 1e9
+    decode_mfu = min(1.0, 2 * params / dec / rate)
+    return {
+        "name": name,
+        "description": f"Measured by `pbkv calibrate` on this machine: {lm.name} ({params / 1e6:.1f} M params, "
+                       f"{lm.dtype}) on {lm.device}, {m['threads']} torch threads.",
+        "sources": [
+            f"prefill: {len(secs)} runs fitted as {overhead * 1e3:.2f} ms + FLOPs / {rate / 1e9:.2f} GFLOP/s",
+            f"decode step, one request: {short['seconds'] * 1e3:.2f} ms at {short['context']} tokens of context, "
+            f"{long['seconds'] * 1e3:.2f} ms at {long['context']}",
+            f"host copy: {host_gbps:.2f} GB/s, {m['host']['small'] * 1e3:.3f} ms latency; disk read + sha256: "
+            f"{disk_gbps:.2f} GB/s, {m['disk']['small'] * 1e3:.3f} ms latency",
+            "raw: " + json.dumps(m),
+        ],
+        "model": {"name": lm.name, "params_b": params / 1e9, "layers": lm.layers, "heads": heads,
+                  "kv_heads": lm.kv_heads, "head_dim": lm.head_dim, "dtype_bytes": dtype_bytes},
+        "gpu": {"name": f"{lm.device.type} (measured)", "count": 1, "memory_gib": memory_gib,
+                "tflops": rate / 1e12, "hbm_gbps": hbm, "pcie_gbps": host_gbps},
+        "mem_fraction": 1.0, "reserve_gib": 0.0,
+        "prefill_mfu": 1.0, "decode_mfu": max(1e-6, decode_mfu), "decode_bw_eff": 1.0, "pcie_eff": 1.0,
+        "load_latency_ms": m["host"]["small"] * 1e3, "disk_gbps": disk_gbps,
+        "disk_latency_ms": max(0.0, m["disk"]["small"] - m["host"]["small"]) * 1e3,
+        "step_overhead_ms": overhead * 1e3, "max_prefill_tokens": 1, "max_running": 64,
+        "host_ratio": 2.0, "disk_tokens": 0,
+    }

@@ -1,0 +1,60 @@
+"""The real engine's small records: options, counters, a call's output, a running request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pbkv.engine.request import Request
+
+LOAD_RULES = ("auto", "load", "recompute")
+
+
+@dataclass
+class EngineOptions:
+    load_rule: str = "auto"        # host/disk prefixes: auto | load | recompute (see admit.py)
+    prefetch: bool = True          # offer the policy idle link time during decode-only steps
+    temperature: float = 0.0       # 0: greedy
+    seed: int = 0                  # sampling and token-id generation
+    record_logits: bool = False    # keep the logits of every generated token (tests)
+    max_running: int = 64
+
+    def __post_init__(self):
+        if self.load_rule not in LOAD_RULES:
+            raise ValueError(f"load rule must be one of {', '.join(LOAD_RULES)}, got {self.load_rule!r}")
+
+
+@dataclass
+class EngineStats:
+    prefills: int = 0
+    prefill_seconds: float = 0.0
+    computed_tokens: int = 0                 # prompt tokens run through the model in prefill
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    loaded_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])   # by source tier
+    prefetched_tokens: int = 0
+    load_waits: int = 0                      # requests that waited for a prefix already in flight
+    recompute_instead_of_load: int = 0       # requests that recomputed a host/disk prefix
+    failed_loads: int = 0                    # loads refused (corrupt or missing disk data)
+    policy_calls: int = 0
+    policy_seconds: float = 0.0
+
+
+@dataclass
+class Output:
+    """What one call produced."""
+
+    tokens: list[int]
+    hidden: np.ndarray            # final hidden state at the last prompt token (float32)
+    cached_tokens: int            # prompt tokens whose KV was reused
+    logits: list[torch.Tensor] = field(default_factory=list)  # per output token (record_logits)
+
+
+@dataclass(eq=False)
+class Seq:
+    req: Request
+    cache: object
+    remaining: int
+    gen: torch.Generator | None

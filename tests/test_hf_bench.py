@@ -1,0 +1,86 @@
+"""`pbkv bench --engine hf`: the driver's lanes run the real engine; the pbkv policy reads hidden states."""
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from typer.testing import CliRunner
+
+from hf_helpers import BS, lm, make_engine, random_prompt  # noqa: F401
+from helpers import FakePredictor
+from pbkv.cli import app
+from pbkv.policy import PolicyContext
+
+
+def test_bench_on_the_real_engine(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        r = CliRunner().invoke(app, ["bench", "--engine", "hf", "--model-path", "tiny", "--workload", "hover",
+                                     "--workflows", "3", "--concurrency", "2", "--policies", "lru", "--scale", "8",
+                                     "--device-tokens", "600", "--out", str(tmp_path), "--jobs", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.output
+    assert "hover on tiny (scale 8.0)" in r.output
+    records = json.loads((tmp_path / "bench.json").read_text())
+    assert [x["policy"] for x in records] == ["lru", "oracle"]
+    for x in records:
+        assert x["engine"] == "hf" and x["calls"] > 0 and 0 < x["computed_tokens"] < x["prompt_tokens"]
+        assert x["device_hit_rate"] > 0 and x["wall_seconds"] > 0 and x["device_tokens"] == 600
+
+
+def test_bench_rejects_bad_real_engine_options(tmp_path):
+    run = CliRunner().invoke
+    r = run(app, ["bench", "--engine", "hf", "--scale", "0.5", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--scale" in r.output
+    r = run(app, ["bench", "--engine", "hf", "--model-path", str(tmp_path / "none"), "--workload", "hover",
+                  "--workflows", "2", "--concurrency", "1", "--policies", "lru", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "local model directory" in r.output
+    r = run(app, ["bench", "--engine", "gpu", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "available: sim, hf" in r.output
+
+
+class HiddenPredictor(FakePredictor):
+    """A predictor that reads the serving model's hidden state (context_dim > 0)."""
+
+    def __init__(self, dim):
+        super().__init__(["user"], 1)
+        self.cfg = SimpleNamespace(uses_context=True, context_dim=dim)
+        self.hiddens = []
+
+    def predict(self, history, context=None, hidden=None):
+        self.hiddens.append(hidden)
+        return super().predict(history, context)
+
+
+def test_pbkv_policy_predicts_again_with_the_hidden_state(lm):
+    pred = HiddenPredictor(lm.hidden_size)
+    engine = make_engine(lm, device=400, policy="pbkv", ctx=PolicyContext(block_size=BS, predictors={"fused": pred}))
+    engine.generate(random_prompt(5, 20), 1, workflow=None)
+    assert engine.policy.reads_hidden
+    # at call start no hidden state exists yet; after prefill the prediction is redone with it
+    assert pred.hiddens[0] is None and pred.hiddens[1].shape == (lm.hidden_size,)
+    assert np.all(np.isfinite(pred.hiddens[1]))
+
+
+def test_calibrate_then_simcheck_side_by_side(tmp_path):
+    from pbkv.engine.profiles import load_profile
+    threads = torch.get_num_threads()
+    try:
+        run = CliRunner().invoke
+        r = run(app, ["calibrate", "--model-path", "tiny", "-o", str(tmp_path / "p.json"), "--max-len", "64",
+                      "--repeats", "1"])
+        assert r.exit_code == 0, r.output
+        prof = load_profile(str(tmp_path / "p.json"))
+        assert prof.model.layers == 2 and prof.max_prefill_tokens == 1 and prof.gpu.tflops > 0
+        r = run(app, ["simcheck", "--model-path", "tiny", "--profile", str(tmp_path / "p.json"), "--workflows", "3",
+                      "--concurrency", "2", "--policies", "lru", "--scale", "16", "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert r.exit_code == 0, r.output
+    rows = json.loads((tmp_path / "simcheck.json").read_text())
+    assert [x["policy"] for x in rows] == ["lru"]
+    row = rows[0]
+    assert row["real_device_hit_rate"] > 0 and row["sim_device_hit_rate"] > 0
+    assert "lat s" in r.output
