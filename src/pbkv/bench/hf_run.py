@@ -98,9 +98,19 @@ def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> d
         "failed_loads": s.failed_loads, "corrupt_files": engine.store.stats.corrupt,
         "disk_files_written": engine.store.stats.files_written,
         "device_tokens": caps.device, "host_tokens": caps.host, "disk_tokens": caps.disk,
-        "policy_seconds": s.policy_seconds,
+        "policy_seconds": s.policy_seconds, "peak_rss_mb": peak_rss_mb(),
     })
     monitor = getattr(policy, "monitor", None)
     if monitor is not None:
         record.update(monitor.summary())
     return record
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MiB): model, KV tiers and everything else.
+    The bench runs each policy in its own worker process when `--jobs` > 1; with one job the
+    figure is the peak over the runs so far."""
+    import resource
+    import sys
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)  # bytes on macOS, KiB on Linux

@@ -25,7 +25,7 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "call
                # real engine (--engine hf) only
                "model", "scale", "wall_seconds", "idle_skipped_seconds", "computed_tokens", "prefill_seconds",
                "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
-               "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written")
+               "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written", "peak_rss_mb")
 
 
 @dataclass(frozen=True)
