@@ -397,6 +397,8 @@ def serve(
     model_dir: Optional[Path] = typer.Option(None, help="Predictor directory: loaded at start (if present), saved on shutdown."),
     online: bool = typer.Option(True, help="Retrain the predictor from ended workflows while serving."),
     learn_every: int = typer.Option(50, min=1, help="Retrain after this many ended workflows."),
+    learn_steps: int = typer.Option(300, min=1, help="Optimiser steps per retrain."),
+    learn_nice: int = typer.Option(10, min=0, max=19, help="Niceness of the retrain process (0: an equal CPU share; it slows serving while it runs)."),
     idle_timeout: float = typer.Option(300.0, min=0.001, help="Seconds without calls after which a workflow ends."),
     device_tokens: int = typer.Option(16384, min=1, help="Device KV capacity in tokens."),
     host_tokens: Optional[int] = typer.Option(None, min=0, help="Host KV capacity (default 2 x device)."),
@@ -406,7 +408,7 @@ def serve(
     default_max_tokens: int = typer.Option(256, min=1, help="max_tokens when a request gives none."),
     max_body_bytes: int = typer.Option(1 << 20, min=1, help="Largest request body."),
     max_queue: int = typer.Option(1024, min=1, help="Requests in flight before new ones get 429."),
-    threads: Optional[int] = typer.Option(None, min=1, help="torch CPU threads."),
+    threads: int = typer.Option(1, min=1, help="torch CPU threads (1 is fastest for small models on a shared CPU)."),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
@@ -420,7 +422,8 @@ def serve(
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
                       record=str(record) if record else None, record_rotate=record_rotate,
                       record_context=record_context, model_dir=str(model_dir) if model_dir else None,
-                      online=online, learn_every=learn_every, idle_timeout=idle_timeout,
+                      online=online, learn_every=learn_every, learn_steps=learn_steps,
+                      learn_nice=learn_nice, idle_timeout=idle_timeout,
                       device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens,
                       disk_dir=str(disk_dir) if disk_dir else None, max_tokens_limit=max_tokens_limit,
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Figures for `pbkv serve`: calls/s and p50/p99 call latency at 1, 8, 64 concurrent clients, with
+workflow hints and without; then hit rates per cache tier after a 200-workflow run of the
+multi-agent example, and what /metrics shows at the end.
+
+Each cell starts a fresh `pbkv serve` subprocess on a free loopback port (so no cell inherits
+another's cache) and runs the example's workflows (`multi_agent.py`) with N client threads,
+each running workflows back to back.
+
+    python examples/load_test.py                       # tiny model, about 5 minutes on 2 cores
+    python examples/load_test.py --clients 1,8 --final-workflows 50 --json figures.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import multi_agent  # noqa: E402  (the example next to this file)
+
+from pbkv.driver.metrics import percentile  # noqa: E402
+from pbkv.serve.metrics import parse  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(args, extra: list[str] = ()):
+    port = free_port()
+    cmd = [sys.executable, "-c", "from pbkv.cli import app; app()", "serve", "--model", args.model,
+           "--policy", args.policy, "--port", str(port), "--device-tokens", str(args.device_tokens),
+           "--host-tokens", str(args.host_tokens), "--disk-tokens", str(args.disk_tokens),
+           "--log-level", "warning", "--threads", str(args.threads), *args.server_arg, *extra]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # wait for the subprocess to come up
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pbkv serve did not start: {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def cell(args, clients: int, hints: bool) -> dict:
+    workflows = max(args.min_workflows, args.workflows_per_client * clients)
+    with server(args) as url:
+        multi_agent.run_many(url + "/v1", args.model, 2, 2, seed=99, hints=hints,
+                             max_tokens=args.max_tokens)  # warm-up, not measured
+        start = time.perf_counter()
+        calls = multi_agent.run_many(url + "/v1", args.model, workflows, clients, seed=args.seed, hints=hints,
+                                     max_tokens=args.max_tokens)
+        wall = time.perf_counter() - start
+        m = parse(httpx.get(url + "/metrics").text)
+    lat = [c.seconds for c in calls]
+    return {"clients": clients, "hints": hints, "workflows": workflows, "calls": len(calls), "seconds": wall,
+            "rps": len(calls) / wall, "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
+            "device_hit_rate": m.get('pbkv_cache_hit_rate{tier="device"}', 0.0)}
+
+
+def final_run(args) -> tuple[dict, str]:
+    with server(args, ["--learn-every", str(args.learn_every)]) as url:
+        start = time.perf_counter()
+        calls = multi_agent.run_many(url + "/v1", args.model, args.final_workflows, args.final_clients,
+                                     seed=args.seed + 1, hints=True, max_tokens=args.max_tokens)
+        wall = time.perf_counter() - start
+        text = httpx.get(url + "/metrics").text
+    m = parse(text)
+    tiers = {t: m.get(f'pbkv_cache_hit_rate{{tier="{t}"}}', 0.0) for t in ("device", "host", "disk")}
+    return {"workflows": args.final_workflows, "clients": args.final_clients, "calls": len(calls), "seconds": wall,
+            "hit_rate": tiers, "recomputed_share": 1 - sum(tiers.values())}, text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="pbkv serve figures (see the module docstring)")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--policy", default="pbkv")
+    ap.add_argument("--clients", default="1,8,64")
+    ap.add_argument("--workflows-per-client", type=int, default=2)
+    ap.add_argument("--min-workflows", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--device-tokens", type=int, default=4096)
+    ap.add_argument("--host-tokens", type=int, default=8192)
+    ap.add_argument("--disk-tokens", type=int, default=32768)
+    ap.add_argument("--final-workflows", type=int, default=200)
+    ap.add_argument("--final-clients", type=int, default=16)
+    ap.add_argument("--learn-every", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the server (1 is fastest for tiny)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="extra argument for every `pbkv serve` (repeatable), e.g. --server-arg=--no-online")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    rows = []
+    print(f"{'clients':>7} {'hints':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'dev hit':>8}")
+    for clients in [int(c) for c in args.clients.split(",") if c.strip()]:
+        for hints in (True, False):
+            r = cell(args, clients, hints)
+            rows.append(r)
+            print(f"{clients:>7} {str(hints):>5} {r['calls']:>6} {r['rps']:>8.1f} {1e3 * r['p50_s']:>8.0f} "
+                  f"{1e3 * r['p99_s']:>8.0f} {r['device_hit_rate']:>8.3f}", flush=True)
+    final, text = final_run(args)
+    h = final["hit_rate"]
+    print(f"\n{final['workflows']} workflows ({final['calls']} calls, {final['clients']} clients, "
+          f"{final['seconds']:.0f} s): hit rate device {h['device']:.3f}, host {h['host']:.3f}, "
+          f"disk {h['disk']:.3f}, recomputed {final['recomputed_share']:.3f}")
+    print("\n/metrics at the end (samples only):")
+    print("\n".join(line for line in text.splitlines() if line and not line.startswith("#")
+                    and "_bucket" not in line))
+    if args.json:
+        args.json.write_text(json.dumps({"cells": rows, "final": final}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

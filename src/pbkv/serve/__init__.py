@@ -1,0 +1,16 @@
+"""`pbkv serve`: an OpenAI-compatible HTTP server on the real engine, with workflow hints.
+
+    app.py       routes, error shapes, request counting     generate.py  one request: job, stream
+    schemas.py   request/response bodies                     auth.py      API key, body limit, hints
+    worker.py    the engine thread (FCFS queue, batching)    backend.py   step-wise adapter of HFEngine
+    workflows.py hints -> workflow runs, idle timeouts       tokenizer.py byte / HF tokenizers, stops
+    metrics.py   Prometheus text                             gauges.py    engine snapshot for /metrics
+    recorder.py  --record: TRACE_FORMAT v1 files             learning.py  policy, predictor, online learning
+    server.py    ServeConfig, run(), ServerThread            bench.py     serve-bench figures
+
+Needs the `serve` extra (fastapi, uvicorn): `pip install 'pbkv[serve]'`.
+"""
+
+from pbkv.serve.server import ServeConfig, ServerThread, build_state, run
+
+__all__ = ["ServeConfig", "ServerThread", "build_state", "run"]

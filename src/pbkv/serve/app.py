@@ -1,0 +1,179 @@
+"""The FastAPI application: routes, error shapes, request counting.
+
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
+GET /metrics, POST /v1/workflows/{id}/end. Every route but /health needs the API key when one is
+set. Every error (ours, Starlette's 404/405, an unexpected exception) leaves as the OpenAI error
+shape (`errors.py`); the app never lets one request's failure stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+from fastapi import FastAPI
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pbkv.serve import schemas
+from pbkv.serve.auth import check_api_key, header_hint, read_json
+from pbkv.serve.errors import INVALID, APIError, bad_request, error_body, pydantic_errors
+from pbkv.serve.gauges import engine_snapshot
+from pbkv.serve.generate import prepare, respond
+from pbkv.serve.metrics import CONTENT_TYPE, Metrics
+from pbkv.serve.tokenizer import Tokenizer
+from pbkv.serve.worker import EngineWorker
+
+log = logging.getLogger("pbkv.serve")
+ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+
+
+@dataclass
+class ServerState:
+    """Everything the routes read; built by `server.build_state`."""
+
+    model_name: str
+    policy_name: str
+    tokenizer: Tokenizer
+    worker: EngineWorker
+    metrics: Metrics
+    max_context: int
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 256
+    max_queue: int = 1024
+    created: int = field(default_factory=lambda: int(time.time()))
+    setup: object = None                  # learning.PolicySetup (policy, learner, model dir)
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)
+
+
+class CountRequests:
+    """Pure ASGI middleware (streams pass through untouched): counts answers by route and status.
+    Paths outside the known routes share one label, so clients cannot grow the label set."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            if path not in ROUTES:
+                path = "/v1/workflows/{id}/end" if path.startswith("/v1/workflows/") else "other"
+            self.metrics.inc("pbkv_requests_total", 1, {"endpoint": path, "status": str(status[0])})
+
+
+def _hints(request: Request) -> tuple[str | None, str | None]:
+    return header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        for fn in state.on_shutdown:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - run every shutdown step, report each failure
+                log.exception("shutdown step failed")
+
+    app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.pbkv = state
+    app.add_middleware(CountRequests, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, INVALID, None, code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"Internal server error ({type(exc).__name__}).", "server_error", None,
+                                       "internal_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": state.model_name, "policy": state.policy_name}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_api_key(request, state.api_key)
+        return schemas.models_response(state.model_name, state.created)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        check_api_key(request, state.api_key)
+        snapshot = await asyncio.wrap_future(state.worker.call(
+            lambda: engine_snapshot(state.worker, state.metrics)))
+        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        check_api_key(request, state.api_key)
+        data = await read_json(request, state.max_body_bytes)
+        try:
+            body = schemas.ChatRequest.model_validate(data)
+        except ValidationError as e:
+            raise pydantic_errors(e) from None
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = state.tokenizer.chat(messages)
+        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, *_hints(request))
+        return await respond(state, request, p)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_api_key(request, state.api_key)
+        data = await read_json(request, state.max_body_bytes)
+        try:
+            body = schemas.CompletionRequest.model_validate(data)
+        except ValidationError as e:
+            raise pydantic_errors(e) from None
+        if isinstance(body.prompt, str):
+            prompt_ids, text = state.tokenizer.encode(body.prompt), body.prompt
+        else:
+            prompt_ids = body.prompt
+            bad = [t for t in prompt_ids if not 0 <= t < state.tokenizer.vocab_size]
+            if bad:
+                raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {state.tokenizer.vocab_size}).",
+                                  "prompt", "invalid_value")
+            text = state.tokenizer.decode(prompt_ids)
+        p = prepare(state, body, prompt_ids, text, False, *_hints(request))
+        if body.echo:
+            p.echo = text
+        return await respond(state, request, p)
+
+    @app.post("/v1/workflows/{workflow_id}/end")
+    async def end_workflow(request: Request, workflow_id: str):
+        check_api_key(request, state.api_key)
+        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
+            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
+        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
+        if not found:
+            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
+                           INVALID, "workflow_id", "workflow_not_found")
+        return {"id": workflow_id, "object": "workflow", "ended": True}
+
+    return app

@@ -1,0 +1,70 @@
+"""OpenAI-style errors: every failure a client can cause becomes one JSON shape and a 4xx status.
+
+Shape (what the `openai` client parses into `APIStatusError.body`):
+
+    {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
+
+Invariant: a request can never make the server answer with a stack trace or a 500 for a mistake of
+its own; `APIError` is raised for those and turned into this shape by one exception handler.
+"""
+
+from __future__ import annotations
+
+import re
+
+INVALID = "invalid_request_error"
+
+
+class APIError(Exception):
+    """A request the server refuses; `status` is the HTTP status (4xx for client mistakes)."""
+
+    def __init__(self, status: int, message: str, type: str = INVALID, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = INVALID, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, INVALID, param, code)
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    return APIError(404, f"The model {model!r} does not exist; this server serves {served!r}.",
+                    INVALID, "model", "model_not_found")
+
+
+def unauthorized() -> APIError:
+    return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    INVALID, None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"Request body is larger than the limit of {limit} bytes.", INVALID, None,
+                    "request_too_large")
+
+
+def overloaded(depth: int) -> APIError:
+    return APIError(429, f"The server has {depth} requests queued (its limit); retry later.",
+                    "rate_limit_error", None, "queue_full", headers={"Retry-After": "1"})
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")  # pydantic's union-branch names
+
+
+def pydantic_errors(exc) -> APIError:
+    """The first validation error of a pydantic `ValidationError`, with its field path as `param`."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and _TYPE_TAG.match(p))]
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value")
+    where = f" at '{param}'" if param else ""
+    code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"
+    return bad_request(f"Invalid request{where}: {msg}.", param, code)

@@ -1,0 +1,171 @@
+"""One completion request, from a validated body to a JSON answer or a server-sent-event stream.
+
+Both endpoints (chat and plain completions) go the same way: tokenize on the event loop (cheap),
+check sizes, submit a `Job` to the engine thread, then read that job's events. A client that
+goes away (a stream's send fails or its task is cancelled; a plain request's connection reports
+disconnect) cancels the job: the engine stops it at the next step and frees its KV space.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pbkv.serve import schemas
+from pbkv.serve.backend import ERROR, Job
+from pbkv.serve.errors import APIError, bad_request, model_not_found, overloaded
+
+CONTEXT_CHARS = 500      # the latest message, as the predictor's `context` text
+CLIENT_GONE = 499        # status of an answer nobody waits for any more (nginx's convention)
+
+
+@dataclass
+class Prepared:
+    job: Job
+    hints: tuple[str | None, str | None, bool]
+    stops: list[str]
+    chat: bool
+    stream: bool = False
+    stream_usage: bool = False
+    echo: str = ""
+
+
+def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | None, chat: bool,
+            workflow_id: str | None, agent: str | None) -> Prepared:
+    """Checks shared by both endpoints; raises `APIError` (4xx) for every client mistake."""
+    if body.model != state.model_name:
+        raise model_not_found(body.model, state.model_name)
+    param = "messages" if chat else "prompt"
+    if not prompt_ids:
+        raise bad_request("The prompt is empty.", param, "invalid_value")
+    wanted = body.wanted_tokens()
+    max_tokens = state.default_max_tokens if wanted is None else wanted
+    if max_tokens > state.max_tokens_limit:
+        raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {state.max_tokens_limit}.",
+                          "max_tokens", "invalid_value")
+    limit = state.max_context
+    if len(prompt_ids) + max_tokens > limit:
+        raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                          f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
+                          f"for the completion). Please reduce the prompt or max_tokens.", param,
+                          "context_length_exceeded")
+    if state.worker.in_flight >= state.max_queue:
+        raise overloaded(state.worker.in_flight)
+    eos = frozenset() if body.ignore_eos else state.tokenizer.eos_ids
+    job = Job(list(prompt_ids), max_tokens, body.temperature, body.top_p, body.seed, eos,
+              context=context[-CONTEXT_CHARS:] if context else None)
+    hints = (body.workflow_id or workflow_id, body.agent or agent, body.workflow_done)
+    return Prepared(job, hints, body.stops(), chat, body.stream, body.include_usage())
+
+
+async def _events(handle, request: Request):
+    """The job's events as they come; raises `ConnectionError` as soon as the client disconnects.
+
+    The body was read in full, so the next ASGI `receive()` resolves only when the client goes
+    away (Starlette listens the same way during streams): no polling."""
+    gone = asyncio.ensure_future(request.receive())
+    try:
+        while True:
+            get = asyncio.ensure_future(handle.events.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise ConnectionError("client disconnected")
+            yield get.result()
+            while not handle.events.empty():  # a burst of tokens: no task per event
+                yield handle.events.get_nowait()
+    finally:
+        gone.cancel()
+
+
+async def respond(state, request: Request, p: Prepared):
+    worker = state.worker
+    start = time.perf_counter()
+    handle = worker.submit(p.job, *p.hints, p.stops)
+    rid = schemas.new_id("chatcmpl" if p.chat else "cmpl")
+    if p.stream:
+        return StreamingResponse(_stream(state, handle, p, rid, start), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    parts, done, first = [], None, None
+    try:
+        async with aclosing(_events(handle, request)) as events:
+            async for event in events:
+                if event[0] == "text":
+                    first = first or time.perf_counter()
+                    parts.append(event[1])
+                else:
+                    done = event
+                    break
+    except ConnectionError:
+        return Response(status_code=CLIENT_GONE)  # nobody reads it; counted in /metrics as 499
+    finally:
+        if done is None:  # the client went away: stop generating for nobody
+            worker.cancel(handle)
+    _, reason, info = done
+    if reason == ERROR:
+        raise APIError(500, f"The server failed while generating: {info.get('error')}", "server_error", None,
+                       "engine_error")
+    _observe(state, start, first)
+    text = p.echo + "".join(parts)
+    build = schemas.chat_response if p.chat else schemas.completion_response
+    return JSONResponse(build(rid, state.model_name, text, _finish(reason), info["prompt_tokens"],
+                              info["completion_tokens"]))
+
+
+def _finish(reason: str) -> str:
+    return "stop" if reason == "stop" else "length"
+
+
+def _observe(state, start: float, first: float | None) -> None:
+    now = time.perf_counter()
+    state.metrics.observe("pbkv_request_latency_seconds", now - start)
+    state.metrics.observe("pbkv_time_to_first_token_seconds", (first or now) - start)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(state, handle, p: Prepared, rid: str, start: float) -> AsyncIterator[str]:
+    model, created = state.model_name, int(time.time())
+    done, first = None, None
+    try:
+        if p.chat:
+            yield _sse(schemas.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+        elif p.echo:
+            yield _sse(schemas.completion_chunk(rid, model, created, p.echo))
+        while done is None:
+            event = await handle.events.get()
+            if event[0] == "done":
+                done = event
+            elif p.chat:
+                first = first or time.perf_counter()
+                yield _sse(schemas.chat_chunk(rid, model, created, {"content": event[1]}))
+            else:
+                first = first or time.perf_counter()
+                yield _sse(schemas.completion_chunk(rid, model, created, event[1]))
+        _, reason, info = done
+        if reason == ERROR:
+            yield _sse({"error": {"message": f"The server failed while generating: {info.get('error')}",
+                                  "type": "server_error", "param": None, "code": "engine_error"}})
+        else:
+            _observe(state, start, first)
+            if p.chat:
+                yield _sse(schemas.chat_chunk(rid, model, created, {}, _finish(reason)))
+            else:
+                yield _sse(schemas.completion_chunk(rid, model, created, "", _finish(reason)))
+            if p.stream_usage:
+                obj = "chat.completion.chunk" if p.chat else "text_completion"
+                yield _sse(schemas.usage_chunk(rid, model, created, obj, info["prompt_tokens"],
+                                               info["completion_tokens"]))
+        yield "data: [DONE]\n\n"
+    finally:
+        if done is None:  # the client went away (send failed or the task was cancelled)
+            state.worker.cancel(handle)

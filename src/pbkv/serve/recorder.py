@@ -1,0 +1,70 @@
+"""`--record DIR`: served calls written as TRACE_FORMAT v1 traces, in rotating files.
+
+Each file is a complete, valid trace (`pbkv.trace.read_trace` accepts it): the metadata line, then
+whole workflow runs, each written at once when the run ends, its calls in step order (steps
+0..n-1), the last one with `done: true`. Lines come from `pbkv.trace.io`'s serialisers. A file is
+closed and the next begun after `rotate_calls` calls, so `pbkv train --trace DIR/*.jsonl` can use
+finished files while the server keeps recording.
+
+Block ids come from the prompt's token ids (`pbkv.engine.hf.tokens.block_hashes`: chained, as
+TRACE_FORMAT requires). File names are `calls-<session>-<n>.jsonl`, made only from the server's
+own session id and a counter: nothing a client sends ever reaches a path. Workflow ids written are
+the server's `record_id`s, so two runs under one client id never collide in a file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+from pbkv.trace import Call, TraceMeta
+from pbkv.trace.io import call_to_dict, meta_to_dict
+
+
+class TraceRecorder:
+    def __init__(self, folder: str | Path, session: str, block_size: int, model: str,
+                 rotate_calls: int = 10_000):
+        if rotate_calls < 1:
+            raise ValueError(f"rotate size must be >= 1 call, got {rotate_calls}")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.session, self.block_size, self.model = session, block_size, model
+        self.rotate_calls = rotate_calls
+        self.files: list[Path] = []
+        self.calls = 0
+        self._in_file = 0
+        self._fh = None
+        self._lock = threading.Lock()  # written from the engine thread, closed from the main one
+
+    def record(self, calls: list[Call]) -> None:
+        """Write one ended run (its calls, any order; written sorted by step)."""
+        if not calls:
+            return
+        calls = sorted(calls, key=lambda c: c.step)
+        calls[-1].done = True
+        with self._lock:
+            if self._fh is None or self._in_file >= self.rotate_calls:
+                self._open()
+            for call in calls:
+                self._fh.write(json.dumps(call_to_dict(call), separators=(",", ":")) + "\n")
+            self._fh.flush()
+            self._in_file += len(calls)
+            self.calls += len(calls)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+    def _open(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+        path = self.folder / f"calls-{self.session}-{len(self.files):05d}.jsonl"
+        self._fh = open(path, "w", encoding="utf-8")
+        meta = TraceMeta(block_size=self.block_size, source=f"pbkv serve ({self.model})",
+                         notes="served calls; hash_ids are chained hashes of the prompt's token ids")
+        self._fh.write(json.dumps(meta_to_dict(meta), separators=(",", ":")) + "\n")
+        self.files.append(path)
+        self._in_file = 0

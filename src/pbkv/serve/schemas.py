@@ -1,0 +1,156 @@
+"""Request bodies (validated, strict types) and response bodies of the OpenAI-compatible API.
+
+Requests: strict pydantic models, so `"max_tokens": "5"` or `"stream": 1` is a 400, not coerced.
+Fields OpenAI defines that this server does not act on (`top_p`, `presence_penalty`, `user`, ...)
+are accepted and ignored, as are unknown fields (clients such as LangChain send extras); the
+workflow hints `workflow_id`, `agent`, `workflow_done` are what `openai`'s `extra_body` adds.
+Responses: plain dicts in the exact shapes of `chat.completion`, `chat.completion.chunk` and
+`text_completion` (the `openai` client parses them into its own types).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP = 4          # OpenAI's limit on stop sequences
+MAX_HINT_CHARS = 256  # workflow ids and agent names are labels, not payloads
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    ignore_eos: bool = False   # an extension (as in vLLM): generate max_tokens even past EOS
+    # workflow hints (also accepted as headers X-Workflow-Id / X-Agent)
+    workflow_id: Optional[str] = Field(None, min_length=1, max_length=MAX_HINT_CHARS)
+    agent: Optional[str] = Field(None, min_length=1, max_length=MAX_HINT_CHARS)
+    workflow_done: bool = False
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+    def wanted_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str]]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _single(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return v[0]
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt must not be empty")
+        return v
+
+    def wanted_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt, completion)}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: Optional[str] = None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt, completion)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: Optional[str] = None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, prompt: int, completion: int) -> dict:
+    """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt, completion)}
+
+
+def models_response(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "pbkv"}]}

@@ -1,0 +1,156 @@
+"""Building and running a server: `ServeConfig` -> model, cache, policy, engine thread, app.
+
+`run(cfg)` is `pbkv serve` (uvicorn in the foreground until Ctrl-C). `ServerThread` runs the same
+app on a background thread, on a socket it already bound (port 0: a free loopback port, no
+race), for tests, the benchmark and the examples.
+Shutdown order: stop taking requests (uvicorn), stop the engine thread (cancels what runs, ends
+every workflow so the policy and the recorder hear it), save the predictor, close the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pbkv.cache import Capacities
+from pbkv.serve.app import ServerState, create_app
+from pbkv.serve.metrics import Metrics
+from pbkv.serve.workflows import WorkflowTable
+
+log = logging.getLogger("pbkv.serve")
+
+
+@dataclass
+class ServeConfig:
+    model: str = "tiny"                  # tiny | smollm2 | a local model directory
+    policy: str = "pbkv"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_name: str | None = None       # the id clients send as `model` (default: the model's name)
+    device_tokens: int = 16384
+    host_tokens: int | None = None       # default 2 x device
+    disk_tokens: int | None = None       # default 4 x device
+    disk_dir: str | None = None          # default: a temporary folder
+    block_size: int = 16
+    record: str | None = None            # --record DIR
+    record_rotate: int = 10_000          # calls per trace file
+    record_context: bool = False         # write each call's latest message as `context`
+    model_dir: str | None = None
+    online: bool = True
+    learn_every: int = 50                # retrain after this many ended workflows
+    learn_steps: int = 300               # optimiser steps per retrain (~6 s on one core for 50 workflows)
+    learn_nice: int = 10                 # niceness of the retrain process (0: equal CPU share)
+    idle_timeout: float = 300.0
+    max_body_bytes: int = 1 << 20
+    max_tokens_limit: int = 1024
+    default_max_tokens: int = 256
+    max_queue: int = 1024
+    max_running: int = 64
+    max_agents: int = 256
+    threads: int | None = 1              # torch CPU threads (1: fastest for small models, and no
+                                         # thread-barrier stalls when other jobs share the cores)
+    seed: int = 0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    def capacities(self) -> Capacities:
+        host = 2 * self.device_tokens if self.host_tokens is None else self.host_tokens
+        disk = 4 * self.device_tokens if self.disk_tokens is None else self.disk_tokens
+        return Capacities(self.device_tokens, host, disk)
+
+
+def build_state(cfg: ServeConfig) -> ServerState:
+    """Load everything; raises ValueError / ModelLoadError with a message for the command line."""
+    import torch
+
+    from pbkv.engine.hf import load_model
+    from pbkv.serve.backend import ServingEngine
+    from pbkv.serve.learning import build_policy, finish_learning
+    from pbkv.serve.recorder import TraceRecorder
+    from pbkv.serve.tokenizer import tokenizer_for
+    from pbkv.serve.worker import EngineWorker
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    for name in ("max_tokens_limit", "default_max_tokens", "max_queue", "max_running", "max_body_bytes",
+                 "block_size", "record_rotate", "learn_every", "learn_steps", "max_agents"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    setup = build_policy(cfg.policy, cfg.block_size, cfg.model_dir, cfg.online, cfg.learn_every,
+                         learn_steps=cfg.learn_steps, learn_nice=cfg.learn_nice)
+    lm = load_model(cfg.model, seed=cfg.seed)
+    tokenizer = tokenizer_for(lm.tokenizer, lm.vocab_size)
+    caps = cfg.capacities()
+    backend = ServingEngine(lm, setup.policy, caps, cfg.block_size, cfg.disk_dir, max_running=cfg.max_running)
+    table = WorkflowTable(cfg.idle_timeout)
+    metrics = Metrics()
+    name = cfg.served_name or Path(cfg.model).name
+    recorder = TraceRecorder(cfg.record, table.session, cfg.block_size, name, cfg.record_rotate) if cfg.record else None
+    worker = EngineWorker(backend, tokenizer, table, metrics, recorder, cfg.clock, cfg.max_agents, cfg.record_context)
+    positions = getattr(lm.model.config, "max_position_embeddings", None) or caps.device
+    state = ServerState(model_name=name, policy_name=cfg.policy, tokenizer=tokenizer, worker=worker,
+                        metrics=metrics, max_context=min(positions, caps.device), api_key=cfg.api_key,
+                        max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit,
+                        default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), max_queue=cfg.max_queue)
+    state.setup = setup
+
+    def save_predictor():
+        saved = finish_learning(setup)
+        if saved is not None:
+            log.info("saved the predictor to %s", saved)
+    state.on_shutdown += [worker.stop, save_predictor, backend.close]
+    worker.start()
+    return state
+
+
+def run(cfg: ServeConfig, log_level: str = "info") -> None:
+    import uvicorn
+    state = build_state(cfg)
+    uvicorn.run(create_app(state), host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """The real server (uvicorn + the app) on a background thread; `url` once `start` returned.
+
+    Use as a context manager; `stop()` runs the app's shutdown (engine thread stopped, workflows
+    ended, predictor saved)."""
+
+    def __init__(self, cfg: ServeConfig, log_level: str = "warning"):
+        import uvicorn
+        self.cfg = cfg
+        self.state = build_state(cfg)
+        self.app = create_app(self.state)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((cfg.host, cfg.port))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://{cfg.host}:{self.port}"
+        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="pbkv-uvicorn", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above)")
+            time.sleep(0.01)  # waiting for another thread's startup, not for time to pass
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,116 @@
+"""Which workflow a served call belongs to, and when each workflow ends.
+
+A call names its workflow with the hint `workflow_id` (body) or `X-Workflow-Id` (header) and its
+agent with `agent` / `X-Agent`. The table turns hints into workflow runs:
+- the first call with an unknown id starts a run (the engine then tells the policy
+  `on_workflow_start`, exactly as the simulator's driver does before a workflow's first call);
+- later calls with that id join the run, with steps 0, 1, 2, ... in arrival order;
+- a run ends (the policy hears `on_workflow_end`) once it has no call in flight and either a call
+  said `workflow_done`, `POST /v1/workflows/{id}/end` asked for it, or it sat idle longer than
+  `idle_timeout` seconds (`expired`, by the injected clock: nothing here sleeps or reads time);
+- a call without a workflow id is a run of its own, ended right after the call.
+Ending detaches the id at once: a call that arrives with the same id later starts a new run.
+
+Invariants: every run that starts ends exactly once; a run never ends while one of its calls is
+in flight; runs get distinct engine ids (ints, increasing) and distinct `record_id`s.
+
+Not thread-safe on purpose: the engine worker thread owns the table (as it owns the engine).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+DEFAULT_AGENT = "default"
+
+
+@dataclass(eq=False)
+class Run:
+    """One workflow run. `calls` collects what the recorder writes when the run ends."""
+
+    wf: int
+    key: str | None          # the client's workflow id; None for a one-call run
+    record_id: str           # the id written to traces (never the client's string: it may be anything)
+    started: float
+    last_active: float
+    steps: int = 0
+    in_flight: int = 0
+    ending: str | None = None  # why it ends (done, endpoint, idle, single, shutdown), once nothing is in flight
+    agents: list[str] = field(default_factory=list)
+    contexts: list[str | None] = field(default_factory=list)
+    calls: list = field(default_factory=list)
+    last_finish: float | None = None
+
+
+class WorkflowTable:
+    def __init__(self, idle_timeout: float = 300.0, session: str | None = None):
+        if idle_timeout <= 0:
+            raise ValueError(f"idle timeout must be > 0 seconds, got {idle_timeout}")
+        self.idle_timeout = idle_timeout
+        self.session = session or secrets.token_hex(3)
+        self.by_key: dict[str, Run] = {}
+        self.live: dict[int, Run] = {}
+        self._next = 0
+        self.started = 0
+        self.ended: dict[str, int] = {"done": 0, "endpoint": 0, "idle": 0, "single": 0, "shutdown": 0}
+
+    def begin(self, key: str | None, agent: str | None, now: float, done: bool = False,
+              context: str | None = None) -> tuple[Run, int, bool]:
+        """A call arrives: (its run, its step, whether the run is new). `done` marks it the last."""
+        run = self.by_key.get(key) if key is not None else None
+        new = run is None
+        if new:
+            run = Run(self._next, key, f"{self.session}-{self._next}", now, now)
+            self._next += 1
+            self.started += 1
+            self.live[run.wf] = run
+            if key is not None:
+                self.by_key[key] = run
+        step = run.steps
+        run.steps += 1
+        run.in_flight += 1
+        run.last_active = now
+        run.agents.append(agent or DEFAULT_AGENT)
+        run.contexts.append(context)
+        if done or key is None:
+            self._detach(run, "done" if key is not None else "single")
+        return run, step, new
+
+    def finish(self, run: Run, now: float) -> bool:
+        """A call of `run` completed (or failed); True when the run must end now."""
+        run.in_flight -= 1
+        run.last_active = run.last_finish = now
+        return run.ending and run.in_flight == 0
+
+    def request_end(self, key: str) -> Run | None:
+        """`POST /v1/workflows/{key}/end`: the run to end now, or None (unknown id, or it ends when
+        its calls in flight finish). Raises KeyError for an id with no live run."""
+        run = self.by_key.get(key)
+        if run is None:
+            raise KeyError(key)
+        self._detach(run, "endpoint")
+        return run if run.in_flight == 0 else None
+
+    def expired(self, now: float) -> list[Run]:
+        """Runs idle (nothing in flight) for longer than the timeout: to end now."""
+        out = [r for r in self.by_key.values() if r.in_flight == 0 and now - r.last_active > self.idle_timeout]
+        for r in out:
+            self._detach(r, "idle")
+        return out
+
+    def all_live(self) -> list[Run]:
+        """Every run not yet ended (at shutdown: end them all)."""
+        for r in list(self.live.values()):
+            self._detach(r, "shutdown")
+        return list(self.live.values())
+
+    def remove(self, run: Run) -> None:
+        """The run ended (the caller told the engine); forget it."""
+        if self.live.pop(run.wf, None) is not None:
+            self.ended[run.ending] = self.ended.get(run.ending, 0) + 1
+
+    def _detach(self, run: Run, reason: str) -> None:
+        run.ending = run.ending or reason   # the first reason given is why it ends
+        if run.key is not None and self.by_key.get(run.key) is run:
+            del self.by_key[run.key]
