@@ -83,4 +83,18 @@ def test_calibrate_then_simcheck_side_by_side(tmp_path):
     assert [x["policy"] for x in rows] == ["lru"]
     row = rows[0]
     assert row["real_device_hit_rate"] > 0 and row["sim_device_hit_rate"] > 0
-    assert "lat s" in r.output
+    assert "lat s" in r.output and "PASS rank by recomputed tokens" in r.output
+
+
+def test_simcheck_verdict_checks_rank_and_speedup_tolerance():
+    from pbkv.bench.simcheck import verdict
+
+    def row(policy, real_lat, sim_lat, real_re, sim_re):
+        return {"policy": policy, "real_mean_workflow_latency_s": real_lat, "sim_mean_workflow_latency_s": sim_lat,
+                "real_recomputed_tokens": real_re, "sim_recomputed_tokens": sim_re}
+    lines = verdict([row("lru", 10.0, 5.0, 100, 100), row("pbkv", 8.0, 4.5, 50, 60)])
+    assert lines[0].startswith("PASS rank by latency") and lines[1].startswith("PASS rank by recomputed")
+    # real 1.25x vs simulated 1.111x: +12.5%, inside 15%
+    assert lines[2].startswith("PASS pbkv speedup over lru: real 1.250x, simulated 1.111x (+12.5%")
+    lines = verdict([row("lru", 10.0, 5.0, 100, 100), row("pbkv", 11.0, 4.0, 50, 60)])
+    assert lines[0].startswith("FAIL rank by latency") and lines[2].startswith("FAIL pbkv")

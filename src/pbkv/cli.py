@@ -488,7 +488,7 @@ def simcheck(
     from pbkv.bench.predictors import PredictorSource
     from pbkv.bench.simcheck import calibrate as run_calibrate
     from pbkv.bench.simcheck import simcheck as run_simcheck
-    from pbkv.bench.simcheck import table
+    from pbkv.bench.simcheck import table, verdict
     from pbkv.bench.sweep import source_from_arg
     from pbkv.engine.hf import EngineError, ModelLoadError
     from pbkv.engine.hf.engine import LOAD_RULES
@@ -517,6 +517,8 @@ def simcheck(
                               f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
                               f"disk {first['disk_tokens']:,}"))
     out.mkdir(parents=True, exist_ok=True)
+    for line in verdict(rows):
+        console.print(line)
     (out / "simcheck.json").write_text(json.dumps(rows, indent=1) + "\n")
     console.print(f"results: {out / 'simcheck.json'}")
 

@@ -73,3 +73,27 @@ def table(rows: list[dict], title: str) -> Table:
             cells.append(f"{100 * a:.1f} / {100 * b:.1f}" if pct else f"{a:.3g} / {b:.3g}")
         t.add_row(r["policy"], *cells)
     return t
+
+
+def verdict(rows: list[dict], tolerance: float = 0.15) -> list[str]:
+    """The issue's acceptance test, spelled out: do both engines rank the policies the same (by
+    mean workflow latency, and by recomputed tokens), and does each policy's speedup over LRU
+    agree within `tolerance` (|real / sim - 1|)? Lines to print; each says PASS or FAIL."""
+    lines = []
+    for key, what in (("mean_workflow_latency_s", "latency"), ("recomputed_tokens", "recomputed tokens")):
+        real = [r["policy"] for r in sorted(rows, key=lambda r: (r[f"real_{key}"], r["policy"]))]
+        sim = [r["policy"] for r in sorted(rows, key=lambda r: (r[f"sim_{key}"], r["policy"]))]
+        ok = "PASS" if real == sim else "FAIL"
+        lines.append(f"{ok} rank by {what}: real {' < '.join(real)}; simulated {' < '.join(sim)}")
+    lru = next((r for r in rows if r["policy"] == "lru"), None)
+    if lru is not None:
+        key = "mean_workflow_latency_s"
+        for r in rows:
+            if r is lru:
+                continue
+            real = lru[f"real_{key}"] / r[f"real_{key}"]
+            sim = lru[f"sim_{key}"] / r[f"sim_{key}"]
+            ok = "PASS" if abs(real / sim - 1) <= tolerance else "FAIL"
+            lines.append(f"{ok} {r['policy']} speedup over lru: real {real:.3f}x, simulated {sim:.3f}x "
+                         f"({100 * (real / sim - 1):+.1f}%, tolerance {100 * tolerance:.0f}%)")
+    return lines
