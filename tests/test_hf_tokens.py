@@ -58,3 +58,12 @@ def test_scale_must_be_at_least_one():
     with pytest.raises(ValueError, match="--scale"):
         scale_trace(trace, 0.5)
     assert scale_trace(trace, 1) is trace
+
+
+def test_output_scale_divides_outputs_only():
+    trace = generate(load_spec("hover"), 4, 0)
+    both, outs = scale_trace(trace, 4), scale_trace(trace, 4, output_factor=40)
+    assert [c.input_length for c in both.calls] == [c.input_length for c in outs.calls]
+    assert all(o.output_length == max(1, round(c.output_length / 40)) for c, o in zip(trace.calls, outs.calls))
+    with pytest.raises(ValueError, match="--output-scale"):
+        scale_trace(trace, 4, output_factor=0.5)

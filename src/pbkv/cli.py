@@ -66,6 +66,7 @@ def bench(
     engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator) or 'hf' (a real transformers model, wall-clock time)."),
     model_path: str = typer.Option("tiny", help="--engine hf: 'tiny' (random small Llama), 'smollm2' (needs pbkv\\[smollm2]) or a local model directory."),
     scale: float = typer.Option(1.0, help="--engine hf: divide every prompt and output length by this (prefix sharing kept)."),
+    output_scale: Optional[float] = typer.Option(None, help="--engine hf: divide output lengths by this instead (default: --scale)."),
     load_rule: str = typer.Option("auto", help="--engine hf: host/disk prefixes: auto (load if estimated faster than recompute), load, recompute."),
     threads: int = typer.Option(1, min=1, help="--engine hf: torch CPU threads."),
     jobs: int = typer.Option(2, min=1, help="Parallel worker processes."),
@@ -79,9 +80,12 @@ def bench(
         from pbkv.engine.hf.engine import LOAD_RULES
         if not scale >= 1:
             _fail(f"--scale: must be >= 1, got {scale}")
+        if output_scale is not None and not output_scale >= 1:
+            _fail(f"--output-scale: must be >= 1, got {output_scale}")
         if load_rule not in LOAD_RULES:
             _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
-        hf = HFConfig(model_path=model_path, scale=scale, load_rule=load_rule, threads=threads, seed=seed)
+        hf = HFConfig(model_path=model_path, scale=scale, output_scale=output_scale, load_rule=load_rule,
+                      threads=threads, seed=seed)
     _run_bench(workload, trace, _split(policies), concurrency, profile, device_tokens, host_tokens, disk_tokens,
                workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf)
 
@@ -473,6 +477,7 @@ def simcheck(
     concurrency: int = typer.Option(4, min=1),
     policies: str = typer.Option("lru,kvflow,pbkv,oracle"),
     scale: float = typer.Option(8.0, help="Divide every length by this (prefix sharing kept)."),
+    output_scale: Optional[float] = typer.Option(None, help="Divide output lengths by this instead (default: --scale)."),
     device_tokens: Optional[int] = typer.Option(None, min=1, help="Default: 8 x the longest scaled call."),
     host_tokens: Optional[int] = typer.Option(None, min=0),
     disk_tokens: Optional[int] = typer.Option(None, min=0),
@@ -497,9 +502,12 @@ def simcheck(
 
     if not scale >= 1:
         _fail(f"--scale: must be >= 1, got {scale}")
+    if output_scale is not None and not output_scale >= 1:
+        _fail(f"--output-scale: must be >= 1, got {output_scale}")
     if load_rule not in LOAD_RULES:
         _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
-    hf = HFConfig(model_path=model_path, scale=scale, load_rule=load_rule, threads=threads, seed=seed)
+    hf = HFConfig(model_path=model_path, scale=scale, output_scale=output_scale, load_rule=load_rule,
+                      threads=threads, seed=seed)
     try:
         if profile is None:
             profile = out / "profile.json"
@@ -513,7 +521,8 @@ def simcheck(
     except (UnknownPolicy, TraceError, ValueError, OSError, ModelLoadError, EngineError) as e:
         _fail(str(e))
     first = rows[0]
-    console.print(table(rows, f"{workload} x{workflows}, concurrency {concurrency}, {model_path}, scale {scale:g}; "
+    console.print(table(rows, f"{workload} x{workflows}, concurrency {concurrency}, {model_path}, scale {scale:g}"
+                        + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
                               f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
                               f"disk {first['disk_tokens']:,}"))
     out.mkdir(parents=True, exist_ok=True)

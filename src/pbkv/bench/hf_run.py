@@ -25,6 +25,7 @@ from pbkv.policy.future import Future
 class HFConfig:
     model_path: str = "tiny"        # tiny | smollm2 | a local model directory
     scale: float = 1.0
+    output_scale: float | None = None  # outputs divided by this instead (None: `scale`)
     load_rule: str = "auto"
     threads: int | None = 1         # torch CPU threads (None: leave torch's setting)
     seed: int = 0
@@ -59,7 +60,7 @@ def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> d
     """Replay `workload` on the real model under `cfg`; the simulator's record plus real figures."""
     from pbkv.engine.hf import EngineOptions, HFEngine, scale_trace
 
-    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale), workload.agent_graph)
+    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale, hf.output_scale), workload.agent_graph)
     caps = hf_capacities(scaled, cfg)
     check_fits(scaled, caps.device)
     lm = get_model(hf)

@@ -42,7 +42,7 @@ def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: H
     """Per policy, a record with `real_<key>` and `sim_<key>` for the figures in COMPARED."""
     from pbkv.engine.hf import scale_trace
     workload = load_workload(source)
-    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale), workload.agent_graph)
+    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale, hf.output_scale), workload.agent_graph)
     paths = predictors_mod.prepare([source], policies, predictor, out / "models")
     predictors = {variant: predictors_mod.load(path) for (_, variant), path in paths.items()}
     prof = load_profile(profile)

@@ -70,14 +70,18 @@ def scale_geometry(block_size: int, factor: float) -> tuple[int, int]:
     return 1, max(1, round(factor / block_size))
 
 
-def scale_trace(trace: Trace, factor: float) -> Trace:
-    """A copy of `trace` with every prompt and output length divided by ~`factor`.
+def scale_trace(trace: Trace, factor: float, output_factor: float | None = None) -> Trace:
+    """A copy of `trace` with every prompt length divided by ~`factor` and every output length by
+    `output_factor` (default: `factor`; a larger one makes a prefill-bound replay on a CPU).
 
     Kept exactly: which calls share which prefix (a kept block keeps its chained id, and chained
     ids stay chained under subsampling: id i still names the whole prefix up to it), workflows,
     agents, steps, times. Output lengths are rounded, never below 1 when they were positive."""
     bs, stride = scale_geometry(trace.block_size, factor)
-    if bs == trace.block_size and stride == 1:
+    out_factor = factor if output_factor is None else output_factor
+    if not out_factor >= 1:
+        raise ValueError(f"--output-scale must be >= 1, got {out_factor}")
+    if bs == trace.block_size and stride == 1 and out_factor == 1:
         return trace
     calls = []
     for c in trace.calls:
@@ -92,9 +96,9 @@ def scale_trace(trace: Trace, factor: float) -> Trace:
                 keep.append(n - 1)  # the prompt's own end: where it diverges from its siblings
             ids = [c.hash_ids[i] for i in keep]
             length = len(ids)
-        out = 0 if c.output_length == 0 else max(1, round(c.output_length / factor))
+        out = 0 if c.output_length == 0 else max(1, round(c.output_length / out_factor))
         calls.append(replace(c, input_length=length, output_length=out, hash_ids=ids, extra=dict(c.extra)))
     meta = TraceMeta(block_size=bs, source=trace.meta.source, license=trace.meta.license,
-                     notes=f"scaled by {factor:g} (block size {trace.block_size} -> {bs}, stride {stride})",
+                     notes=f"scaled by {factor:g}, outputs by {out_factor:g} (block size {trace.block_size} -> {bs}, stride {stride})",
                      extra=dict(trace.meta.extra))
     return Trace(meta, calls, trace.path)
