@@ -122,11 +122,9 @@ def test_a_request_waits_for_a_prefix_already_loading(lm):
     from pbkv.engine.request import Request
     calls = [Call("w", i, "a", len(p), 2, block_hashes(p, BS)) for i, p in enumerate((B + [1], B + [2]))]
     reqs = [Request(call=c, workflow=0, on_done=lambda r: None) for c in calls]
-    for c, p in zip(calls, (B + [1], B + [2])):
-        engine._prompts[id(c)] = p
     engine.start_workflow(0, "w")
-    for r in reqs:
-        engine.submit(r)
+    for r, p in zip(reqs, (B + [1], B + [2])):
+        engine.submit(r, p)
     engine.run()
     assert engine.stats.load_waits == 1 and engine.stats.loaded_tokens[Tier.HOST] == 24
     for r, p in zip(reqs, (B + [1], B + [2])):

@@ -56,7 +56,7 @@ def test_64_concurrent_clients_get_their_own_answers(srv):
     assert len(set(alone.values())) > CLIENTS // 2                              # answers tell prompts apart
     mismatched = [i for i, text, _ in together if text != alone[i]]
     assert mismatched == [], f"answers differ from the lone run for clients {mismatched}"
-    jobs, running, queued = on_engine(srv, lambda: (len(srv.state.worker.backend.engine.jobs),
+    jobs, running, queued = on_engine(srv, lambda: (len(srv.state.worker.backend.jobs),
                                                     srv.state.worker.backend.running(),
                                                     srv.state.worker.backend.queued()))
     assert (jobs, running, queued, srv.state.worker.in_flight) == (0, 0, 0, 0)

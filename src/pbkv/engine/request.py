@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from pbkv.cache import Move, Node
 from pbkv.trace import Call
+
+if TYPE_CHECKING:
+    from pbkv.engine.hf.sampling import Sampling
 
 
 @dataclass(slots=True, eq=False)
@@ -14,6 +17,10 @@ class Request:
     call: Call
     workflow: int
     on_done: Callable[[Request], None]
+    # generation settings (the real engine; the simulator ignores them): see pbkv.engine.hf.sampling
+    sampling: Sampling | None = None
+    on_token: Callable[[Request, int], bool] | None = None   # True: stop after this token
+    finish_reason: str | None = None   # set once, right before on_done ("length", "stop", ...)
     arrival: float = 0.0
     # cache state
     node: Node | None = None        # deepest locked node of its prompt (the request's pin)

@@ -18,6 +18,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pbkv.engine.hf.sampling import Sampling
 from pbkv.serve import schemas
 from pbkv.serve.backend import ERROR, Job
 from pbkv.serve.errors import APIError, bad_request, model_not_found, overloaded
@@ -58,9 +59,9 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
                           "context_length_exceeded")
     if state.worker.in_flight >= state.max_queue:
         raise overloaded(state.worker.in_flight)
-    eos = frozenset() if body.ignore_eos else state.tokenizer.eos_ids
-    job = Job(list(prompt_ids), max_tokens, body.temperature, body.top_p, body.seed, eos,
-              context=context[-CONTEXT_CHARS:] if context else None)
+    sampling = Sampling(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                        ignore_eos=body.ignore_eos)   # EOS ids: the engine's (the tokenizer's)
+    job = Job(list(prompt_ids), sampling, context=context[-CONTEXT_CHARS:] if context else None)
     hints = (body.workflow_id or workflow_id, body.agent or agent, body.workflow_done)
     return Prepared(job, hints, body.stops(), chat, body.stream, body.include_usage())
 

@@ -86,7 +86,8 @@ def build_state(cfg: ServeConfig) -> ServerState:
     lm = load_model(cfg.model, seed=cfg.seed)
     tokenizer = tokenizer_for(lm.tokenizer, lm.vocab_size)
     caps = cfg.capacities()
-    backend = ServingEngine(lm, setup.policy, caps, cfg.block_size, cfg.disk_dir, max_running=cfg.max_running)
+    backend = ServingEngine(lm, setup.policy, caps, cfg.block_size, cfg.disk_dir, max_running=cfg.max_running,
+                            eos_ids=tokenizer.eos_ids)
     table = WorkflowTable(cfg.idle_timeout)
     metrics = Metrics()
     name = cfg.served_name or Path(cfg.model).name

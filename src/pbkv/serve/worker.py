@@ -99,7 +99,7 @@ class EngineWorker:
         return self.call(lambda: self._end_key(key))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what runs, end every workflow (the policy hears it), close the recorder."""
+        """Cancel what is queued or runs, end every workflow (the policy hears it), close the recorder."""
         if self._thread.is_alive():
             self._q.put(("stop",))
             self._thread.join(timeout)
@@ -139,8 +139,8 @@ class EngineWorker:
                 self._submit(*cmd[1:])
             elif kind == "cancel":
                 handle = cmd[1]
-                if handle.req is not None and handle.job.stop_reason is None:
-                    self.backend.cancel(handle.job, handle.req)
+                if handle.req is not None:  # a request that already ended is left alone
+                    self.backend.cancel(handle.req)
             elif kind == "call":
                 fn, fut = cmd[1], cmd[2]
                 try:
@@ -242,11 +242,7 @@ class EngineWorker:
             self.recorder.record(run.calls)
 
     def _shutdown(self) -> None:
-        for job in list(self.backend.engine.jobs.values()):
-            job.stop_reason = job.stop_reason or CANCELLED
-        for req in list(self.backend.engine.waiting):
-            if not req.loading:
-                self.backend.cancel(self.backend.engine.jobs[id(req)], req)
+        self.backend.cancel_all()
         deadline = time.monotonic() + 10.0
         while self.backend.busy() and time.monotonic() < deadline:
             self.backend.step()

@@ -1,8 +1,9 @@
 """The real engine's cache side: admitting a request, loads and prefetches, inserting new KV.
 
 Mixed into `HFEngine` (engine.py), which holds `cache`, `tree`, `store`, `policy`, `rates`,
-`clock`, `opts`, `stats`, `_transfers` and `_inflight`. All tree and cache updates run on the
-engine's thread; the worker thread only copies tensors and reads and writes files.
+`clock`, `opts`, `stats`, `_waiting`, `_transfers` and `_inflight` (and `_limit`, execute.py).
+All tree and cache updates run on the engine's thread; the worker thread only copies tensors and
+reads and writes files.
 
 Admission of a request whose longest cached prefix reaches into host or disk (`_admit`):
 - load rule (`opts.load_rule`): "auto" loads when the estimated load time (bytes over the
@@ -18,7 +19,9 @@ Admission of a request whose longest cached prefix reaches into host or disk (`_
   data comes from the prefill), so new blocks can hang below them; with no room for that, the
   request still runs and its new blocks are simply not cached;
 - a node whose data proved unreadable (`lost`) ends the usable prefix and is dropped from the
-  tree (with its subtree, whose KV is useless without it) as soon as nothing pins it.
+  tree (with its subtree, whose KV is useless without it) as soon as nothing pins it;
+- a request's load is aborted when the request is cancelled (`_abort_load`): the move's space
+  and pin go back at once, and whatever the worker still reads for it is discarded unread.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class CacheOps:
                 path = path[:first]
         cached = min(device, cap)
         held = min(sum(n.tokens for n in path) if promote else device, call.input_length)
-        need = call.input_length - held + call.output_length
+        need = call.input_length - held + self._limit(req)
         pin = path[-1] if path else None
         if pin is not None and promote is None:
             self.tree.lock(pin)
@@ -125,7 +128,7 @@ class CacheOps:
         """Nothing runs and the queue head cannot fit: release the prefixes queued requests
         loaded and still pin (they are matched again when admitted). Whether anything was freed."""
         freed = False
-        for req in self.waiting[1:]:
+        for req in self._waiting[1:]:
             if req.node is not None and not req.loading:
                 self.tree.unlock(req.node)
                 req.node, freed = None, True
@@ -199,6 +202,16 @@ class CacheOps:
         self.stats.loaded_tokens[Tier.DISK] += t.tokens[Tier.DISK]
         if req is not None:
             req.move, req.loading = None, False
+
+    def _abort_load(self, req: Request) -> None:
+        """`req` (loading its prefix) was cancelled: give its move's space and pin back now."""
+        t = next(t for t in self._transfers if t.req is req)
+        self._transfers.remove(t)
+        for n in t.move.nodes:
+            self._inflight.pop(n.id, None)
+        self.cache.abort(t.move)  # the move's pin was the request's (req.node): not unlocked twice
+        req.move, req.loading, req.node, req.counted = None, False, None, False
+        req.device_hit = req.host_hit = req.disk_hit = req.recomputed = 0   # nothing was served
 
     def _discard_lost(self) -> None:
         for n in list(self._lost):

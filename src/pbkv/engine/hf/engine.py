@@ -1,22 +1,35 @@
 """The real engine: a transformers causal LM serving calls over the shared radix cache.
 
 Same driver API as the simulator (`now`, `at`, `start_workflow`, `end_workflow`, `submit`,
-`run`), same `TieredCache` and `Policy` objects; only the cost of an operation is real. The
-loop, in order of priority: fire due events (the driver's submits), install finished loads,
-prefill one admissible request (FCFS; prefill has priority, as in SGLang), else one decode step
-of every running request (sequentially: no padding, so outputs are exactly a lone request's),
-offering the policy a prefetch first when the link is idle; with nothing to run it waits for a
-load, or skips the clock to the next event (tool waits are skipped, not slept).
+`run`), same `TieredCache` and `Policy` objects; only the cost of an operation is real.
+
+Public step-wise API (what `run()` and the server use; nothing else needs the internals):
+- `step()`: one scheduling iteration, in order of priority: fire due events (the driver's
+  submits), install finished loads, prefill one admissible request (FCFS; prefill has priority,
+  as in SGLang), else one decode step of every running request (sequentially: no padding, so
+  outputs are exactly a lone request's), offering the policy a prefetch first when the link is
+  idle; with nothing to run it waits for a load, or skips the clock to the next event (tool
+  waits are skipped, not slept). Returns False only when nothing is left to do; raises `Stuck`
+  (changing nothing) when the queue head can never fit. `run()` is `while step(): pass`;
+- per request: `Request.sampling` (temperature, top_p, seed, stop token ids, max new tokens,
+  ignore_eos) and `Request.on_token` (streaming; returns True to stop, e.g. at a stop string):
+  see `sampling.py`. `Request.finish_reason` says why it ended; `submit(req, prompt_ids)`
+  gives explicit token ids instead of the trace mapping (`tokenize`);
+- `cancel(req)`: end a waiting, loading or running request now and free everything it holds;
+- `busy`, `queue_depth`, `running_count`, `requests`, `stats`: read-only views for metrics.
+All of it must be called from one thread (the engine's); callbacks run on it, inside `step()`.
 
 Per request: the prompt (trace block ids -> token ids, `tokens.py`) is matched in the tree;
 the reused prefix's KV is gathered from the device nodes (no recompute), only the rest is
 prefilled, its new full blocks (and partial tail) become a device node with its own KV, and the
 final hidden state of the last prompt token goes to the policy (`on_prefill`, `on_call_end`:
 `CallEvent.hidden`). The last prompt token is always computed (its logits pick the first output
-token). Host/disk prefixes are loaded or recomputed: see `admit.py`.
+token). Host/disk prefixes are loaded or recomputed: see `admit.py`; prefill, decode and the end
+of a request: `execute.py`.
 
 Invariants: a node's KV lives in its tier (`kvstore.py`); device tokens in use = tree nodes +
-what running requests reserved (prompt suffix + outputs), as in the simulator. Each running
+what live requests reserved (prompt suffix + max new tokens; pending loads), as in the
+simulator; a finished or cancelled request holds no reservation, pin or transfer. Each running
 request also holds a private working copy of its whole context (not paged): real memory can
 reach about twice the accounted device tokens.
 """
@@ -25,27 +38,24 @@ from __future__ import annotations
 
 import heapq
 import time
-import zlib
 from typing import Callable
 
-import torch
-
 from pbkv.cache import Tier, TieredCache
-from pbkv.engine.hf.admit import ADMITTED, BLOCKED, Admission, CacheOps
+from pbkv.engine.hf.admit import CacheOps
+from pbkv.engine.hf.execute import ExecOps
 from pbkv.engine.hf.kvstore import KVStore
-from pbkv.engine.hf.model import LoadedModel, cache_to_kv, forward, make_cache
+from pbkv.engine.hf.model import LoadedModel
+from pbkv.engine.hf.sampling import CANCELLED, Sampling
+from pbkv.engine.hf.state import (LOAD_RULES, EngineError, EngineOptions, EngineStats, Output, Seq,  # noqa: F401
+                                  Stuck)
 from pbkv.engine.hf.tokens import TokenMapper, block_hashes
-from pbkv.engine.hf.state import LOAD_RULES, EngineOptions, EngineStats, Output, Seq  # noqa: F401 (re-exported)
 from pbkv.engine.hf.transfer import Rates, WallClock, Worker
 from pbkv.engine.request import Request
 from pbkv.policy import CallEvent, Policy
 from pbkv.trace import Call
 
-class EngineError(RuntimeError):
-    pass
 
-
-class HFEngine(CacheOps):
+class HFEngine(ExecOps, CacheOps):
     def __init__(self, lm: LoadedModel, cache: TieredCache, policy: Policy,
                  tokenize: Callable[[Call], list[int]] | None = None, clock=None, worker: Worker | None = None,
                  options: EngineOptions | None = None, disk_dir=None):
@@ -56,16 +66,16 @@ class HFEngine(CacheOps):
         cache.storage = self.store
         self.tokenize = tokenize or TokenMapper(lm.vocab_size, self.tree.block_size, self.opts.seed).tokens
         self.rates = Rates(lm.kv_bytes_per_token)
-        self.stats = EngineStats()
-        self.waiting: list[Request] = []
-        self.running: list[Seq] = []
+        self._stats = EngineStats()
+        self._waiting: list[Request] = []   # FCFS; includes requests whose prefix is loading
+        self._running: list[Seq] = []
         self._events: list = []
         self._seq = 0
         self._transfers: list = []
         self._inflight: dict = {}       # node id -> Transfer moving it up
         self._lost: set = set()         # nodes with unreadable data, dropped once unpinned
         self._waited: set = set()
-        self._prompts: dict[int, list[int]] = {}   # id(call) -> explicit token ids (generate)
+        self._prompts: dict[int, list[int]] = {}   # id(request) -> explicit token ids, until it ends
         policy.bind(cache, self.clock.now)
 
     # ------------------------------------------------------------------ driver API
@@ -85,159 +95,119 @@ class HFEngine(CacheOps):
         nodes = self.cache.end_workflow(workflow)
         self._timed(self.policy.on_workflow_end, workflow, nodes)
 
-    def submit(self, req: Request) -> None:
+    def submit(self, req: Request, prompt_ids: list[int] | None = None) -> None:
+        """Queue `req` (FCFS). `prompt_ids`: its prompt's token ids (else `tokenize(req.call)`);
+        they must number `req.call.input_length` and match `req.call.hash_ids`."""
+        if req.finish_reason is not None:
+            raise EngineError(f"call {req.call.workflow_id} step {req.call.step} already finished")
+        if prompt_ids is not None:
+            self._prompts[id(req)] = list(prompt_ids)
         req.arrival = self.clock.now()
         node, _ = self.tree.match(req.call.hash_ids)
         self._timed(self.policy.on_call_start, self._event(req, node))
-        self.waiting.append(req)
+        self._waiting.append(req)
 
     def generate(self, token_ids: list[int], max_new_tokens: int, workflow: int | None = None,
-                 agent: str = "user") -> Output:
+                 agent: str = "user", sampling: Sampling | None = None) -> Output:
         """Serve one prompt given as token ids to completion (no driver needed)."""
         if not token_ids:
             raise ValueError("empty prompt")
         call = Call(f"generate-{self._seq}", 0, agent, len(token_ids), max_new_tokens,
                     block_hashes(list(token_ids), self.tree.block_size))
-        self._prompts[id(call)] = list(token_ids)
         own = workflow is None
         workflow = -1 - self._seq if own else workflow
         if own:
             self.start_workflow(workflow, call.workflow_id)
-        req = Request(call=call, workflow=workflow, on_done=lambda r: None)
-        self.submit(req)
+        req = Request(call=call, workflow=workflow, on_done=lambda r: None, sampling=sampling)
+        self.submit(req, token_ids)
         self.run()
         if own:
             self.end_workflow(workflow)
-        self._prompts.pop(id(call), None)
         return req.result
 
     def run(self) -> None:
         """Serve until no request, event or transfer is left."""
-        while True:
-            self._fire_events()
-            self._poll_transfers()
-            if self.waiting and self._prefill_next():
-                continue
-            if self.running:
-                self._prefetch()
-                self._decode_step()
-            elif self._transfers:
-                self._poll_transfers(block=True)
-            elif self._events:
-                self.clock.skip_to(self._events[0][0])
-            elif self.waiting and self._unpin_waiting():
-                continue
-            elif self.waiting:
-                call = self.waiting[0].call
-                raise EngineError(f"stuck: call {call.workflow_id} step {call.step} needs "
-                                  f"{call.input_length + call.output_length} device tokens; capacity "
-                                  f"{self.cache.capacity.device}, evictable {self.cache.evictable(Tier.DEVICE)}")
-            else:
-                return
+        while self.step():
+            pass
 
     def close(self) -> None:
         self.store.close()
 
-    # ------------------------------------------------------------------ scheduling
+    # ------------------------------------------------------------------ step-wise API
+
+    def step(self) -> bool:
+        """One scheduling iteration (see the module docstring). False: nothing was left to do."""
+        self._fire_events()
+        self._poll_transfers()
+        if self._waiting and self._prefill_next():
+            return True
+        if self._running:
+            self._prefetch()
+            self._decode_step()
+        elif self._transfers:
+            self._poll_transfers(block=True)
+        elif self._events:
+            self.clock.skip_to(self._events[0][0])
+        elif self._waiting:
+            if not self._unpin_waiting():
+                req = self._waiting[0]
+                call = req.call
+                raise Stuck(f"stuck: call {call.workflow_id} step {call.step} needs "
+                            f"{call.input_length + self._limit(req)} device tokens; capacity "
+                            f"{self.cache.capacity.device}, evictable {self.cache.evictable(Tier.DEVICE)}", req)
+        else:
+            return False
+        return True
+
+    def cancel(self, req: Request, reason: str = CANCELLED) -> bool:
+        """End `req` now with `reason`, wherever it is: waiting, loading its prefix (the load is
+        aborted: its reservation and pins are released, data still being read is discarded) or
+        running (its working KV is dropped). Its reservation and pin are released, the policy
+        hears `on_call_end` and `on_done` runs, as for any end. Returns False (changing nothing)
+        when the engine does not hold `req`: finished, or not submitted yet."""
+        if req.finish_reason is not None:
+            return False
+        if any(r is req for r in self._waiting):
+            self._waiting.remove(req)
+            if req.loading:
+                self._abort_load(req)
+        else:
+            seq = next((s for s in self._running if s.req is req), None)
+            if seq is None:
+                return False
+            self._running.remove(seq)
+        self._finish(req, reason)
+        return True
+
+    @property
+    def busy(self) -> bool:
+        """Whether `step()` has anything to do: a request, a transfer or a scheduled event."""
+        return bool(self._waiting or self._running or self._transfers or self._events)
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet prefilled (those loading their prefix included)."""
+        return len(self._waiting)
+
+    @property
+    def running_count(self) -> int:
+        """Requests generating (prefilled, not finished)."""
+        return len(self._running)
+
+    @property
+    def requests(self) -> tuple[Request, ...]:
+        """Every request the engine holds: waiting (FCFS order), then running."""
+        return tuple(self._waiting) + tuple(s.req for s in self._running)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ------------------------------------------------------------------ helpers
 
     def _fire_events(self) -> None:
         while self._events and self._events[0][0] <= self.clock.now():
             heapq.heappop(self._events)[2]()
-
-    def _prefill_next(self) -> bool:
-        for req in list(self.waiting):
-            if req.loading:
-                continue
-            if len(self.running) >= self.opts.max_running:
-                return False
-            status, adm = self._admit(req)
-            if status == BLOCKED:
-                return False
-            if status == ADMITTED:
-                self.waiting.remove(req)
-                self._prefill(adm)
-                return True
-        return False
-
-    def _prefill(self, adm: Admission) -> None:
-        req, call = adm.req, adm.req.call
-        tokens = self._prompts.get(id(call)) or self.tokenize(call)
-        if len(tokens) != call.input_length:
-            raise EngineError(f"call {call.workflow_id} step {call.step}: {len(tokens)} token ids for "
-                              f"input_length {call.input_length}")
-        start = time.perf_counter()
-        past = self.store.gather(adm.path, adm.cached)
-        logits, hidden, kv = forward(self.lm, tokens[adm.cached:], make_cache(past))
-        seconds = time.perf_counter() - start
-        computed = call.input_length - adm.cached
-        self.stats.prefills += 1
-        self.stats.prefill_seconds += seconds
-        self.stats.computed_tokens += computed
-        self.rates.saw_prefill(computed, seconds)
-
-        def kv_of(a: int, b: int) -> torch.Tensor:
-            return cache_to_kv(kv, a, b)
-        if adm.promote is not None:  # recomputed host/disk nodes take the fresh KV to the device
-            for n in adm.promote.nodes:
-                self.store.stage(n, kv_of(n.start * self.tree.block_size, n.start * self.tree.block_size + n.tokens))
-            self.cache.complete(adm.promote)
-        self._insert(req, kv_of)
-        req.first_token = self.clock.now()
-        req.result = Output([], hidden.cpu().numpy(), adm.cached)
-        self._timed(self.policy.on_prefill, self._event(req, req.node))
-        if call.output_length <= 0:
-            self._finish(req)
-            return
-        gen = None
-        if self.opts.temperature > 0:
-            key = f"{self.opts.seed}|{call.workflow_id}|{call.step}".encode()
-            gen = torch.Generator(device=self.lm.device).manual_seed(zlib.crc32(key))
-        seq = Seq(req, kv, call.output_length - 1, gen)
-        self._emit(seq, logits)
-        if seq.remaining == 0:
-            self._finish(req)
-        else:
-            self.running.append(seq)
-
-    def _decode_step(self) -> None:
-        start = time.perf_counter()
-        for seq in list(self.running):
-            logits, _, seq.cache = forward(self.lm, [seq.req.result.tokens[-1]], seq.cache)
-            self._emit(seq, logits)
-            seq.remaining -= 1
-            if seq.remaining == 0:
-                self.running.remove(seq)
-                self._finish(seq.req)
-        seconds = time.perf_counter() - start
-        self.stats.decode_steps += 1
-        self.stats.decode_seconds += seconds
-        self.rates.saw_decode(seconds)
-
-    def _emit(self, seq: Seq, logits: torch.Tensor) -> None:
-        out: Output = seq.req.result
-        if seq.gen is None:
-            token = int(torch.argmax(logits))
-        else:
-            probs = torch.softmax(logits / self.opts.temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=seq.gen))
-        out.tokens.append(token)
-        if self.opts.record_logits:
-            out.logits.append(logits.detach().cpu().clone())
-
-    def _finish(self, req: Request) -> None:
-        req.finished = self.clock.now()
-        self.cache.release(req.reserved)
-        req.reserved = 0
-        if req.node is not None:
-            self.tree.touch(req.node, req.finished, req.workflow, req.call.agent)  # recency = end of use
-            self.tree.unlock(req.node)
-        self._timed(self.policy.on_call_end, self._event(req, req.node))
-        self._waited.discard(id(req))
-        if self._lost:
-            self._discard_lost()
-        req.on_done(req)
-
-    # ------------------------------------------------------------------ helpers
 
     def _timed(self, hook, *args):
         start = time.perf_counter()

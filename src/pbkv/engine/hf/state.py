@@ -1,4 +1,4 @@
-"""The real engine's small records: options, counters, a call's output, a running request."""
+"""The real engine's small records: errors, options, counters, a call's output, a running request."""
 
 from __future__ import annotations
 
@@ -12,12 +12,27 @@ from pbkv.engine.request import Request
 LOAD_RULES = ("auto", "load", "recompute")
 
 
+class EngineError(RuntimeError):
+    pass
+
+
+class Stuck(EngineError):
+    """Nothing runs, loads or is scheduled, and the oldest waiting request (`request`) cannot
+    get device space even after queued requests released their pins. Nothing was changed: the
+    caller may `cancel` that request and keep stepping."""
+
+    def __init__(self, message: str, request: Request):
+        super().__init__(message)
+        self.request = request
+
+
 @dataclass
 class EngineOptions:
     load_rule: str = "auto"        # host/disk prefixes: auto | load | recompute (see admit.py)
     prefetch: bool = True          # offer the policy idle link time during decode-only steps
-    temperature: float = 0.0       # 0: greedy
+    temperature: float = 0.0       # default of requests without their own (0: greedy)
     seed: int = 0                  # sampling and token-id generation
+    eos_token_ids: frozenset[int] = frozenset()   # stop every request unless it ignores EOS
     record_logits: bool = False    # keep the logits of every generated token (tests)
     max_running: int = 64
 
@@ -54,7 +69,13 @@ class Output:
 
 @dataclass(eq=False)
 class Seq:
+    """A running request's decode state: its private KV working copy and its resolved sampling
+    (sampling.py). Lives in the engine's running list from its first token until it finishes."""
+
     req: Request
     cache: object
-    remaining: int
     gen: torch.Generator | None
+    temperature: float
+    top_p: float
+    stops: frozenset[int]
+    limit: int                    # max new tokens
