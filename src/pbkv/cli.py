@@ -76,18 +76,23 @@ def bench(
     """Compare cache policies side by side on workloads or traces; print a table, save JSON and plots."""
     hf = None
     if engine == "hf":
-        from pbkv.bench.hf_run import HFConfig
-        from pbkv.engine.hf.engine import LOAD_RULES
-        if not scale >= 1:
-            _fail(f"--scale: must be >= 1, got {scale}")
-        if output_scale is not None and not output_scale >= 1:
-            _fail(f"--output-scale: must be >= 1, got {output_scale}")
-        if load_rule not in LOAD_RULES:
-            _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
-        hf = HFConfig(model_path=model_path, scale=scale, output_scale=output_scale, load_rule=load_rule,
-                      threads=threads, seed=seed)
+        hf = _hf_config(model_path, scale, output_scale, load_rule, threads, seed)
     _run_bench(workload, trace, _split(policies), concurrency, profile, device_tokens, host_tokens, disk_tokens,
                workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf)
+
+
+def _hf_config(model_path, scale, output_scale, load_rule, threads, seed):
+    """The real engine's settings from the command line, validated (clear error, exit 2)."""
+    from pbkv.bench.hf_run import HFConfig
+    from pbkv.engine.hf.engine import LOAD_RULES
+    if not scale >= 1:
+        _fail(f"--scale: must be >= 1, got {scale}")
+    if output_scale is not None and not output_scale >= 1:
+        _fail(f"--output-scale: must be >= 1, got {output_scale}")
+    if load_rule not in LOAD_RULES:
+        _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
+    return HFConfig(model_path=model_path, scale=scale, output_scale=output_scale, load_rule=load_rule,
+                    threads=threads, seed=seed)
 
 
 @app.command()
@@ -489,25 +494,16 @@ def simcheck(
 ):
     """Replay one small workload on the real engine and on the simulator (calibrated profile), per policy,
     and print both side by side."""
-    from pbkv.bench.hf_run import HFConfig
     from pbkv.bench.predictors import PredictorSource
     from pbkv.bench.simcheck import calibrate as run_calibrate
     from pbkv.bench.simcheck import simcheck as run_simcheck
     from pbkv.bench.simcheck import table, verdict
     from pbkv.bench.sweep import source_from_arg
     from pbkv.engine.hf import EngineError, ModelLoadError
-    from pbkv.engine.hf.engine import LOAD_RULES
     from pbkv.policy import UnknownPolicy
     from pbkv.trace import TraceError
 
-    if not scale >= 1:
-        _fail(f"--scale: must be >= 1, got {scale}")
-    if output_scale is not None and not output_scale >= 1:
-        _fail(f"--output-scale: must be >= 1, got {output_scale}")
-    if load_rule not in LOAD_RULES:
-        _fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
-    hf = HFConfig(model_path=model_path, scale=scale, output_scale=output_scale, load_rule=load_rule,
-                      threads=threads, seed=seed)
+    hf = _hf_config(model_path, scale, output_scale, load_rule, threads, seed)
     try:
         if profile is None:
             profile = out / "profile.json"

@@ -42,3 +42,12 @@ class Request:
     finish_step: int = 0
     # what a real engine produced (pbkv.engine.hf: output token ids, logits, hidden state)
     result: object = None
+
+    def count_hits(self, per_tier: list[int]) -> None:
+        """Record where the prompt's KV came from (tokens per tier), once: the first time the
+        request is served; a request that waits and is matched again keeps its first count."""
+        if self.counted:
+            return
+        self.counted = True
+        self.device_hit, self.host_hit, self.disk_hit = per_tier
+        self.recomputed = self.call.input_length - sum(per_tier)

@@ -185,7 +185,7 @@ class Simulator:
             move = self.cache.prepare_load(lower, keep_lock=True)
             if move is None:
                 return BLOCKED
-            self._count_hits(req, per_tier)
+            req.count_hits(per_tier)
             req.move, req.loading, req.node = move, True, lower[-1]
             done_at = self._start_load(lower)
             self.at(done_at, lambda: self._load_done(req))
@@ -199,7 +199,7 @@ class Simulator:
             if pin is not None:
                 self.tree.unlock(pin)
             return BLOCKED
-        self._count_hits(req, per_tier)
+        req.count_hits(per_tier)
         if req.node is not None:  # the pin its load held
             self.tree.unlock(req.node)
         req.node, req.reserved, req.cached, req.admitted = pin, need, cached, self.now
@@ -216,13 +216,6 @@ class Simulator:
                 self.tree.unlock(req.node)
                 req.node, freed = None, True
         return freed
-
-    def _count_hits(self, req: Request, per_tier: list[int]) -> None:
-        if req.counted:
-            return
-        req.counted = True
-        req.device_hit, req.host_hit, req.disk_hit = per_tier
-        req.recomputed = req.call.input_length - sum(per_tier)
 
     def _start_load(self, nodes: list[Node]) -> float:
         done_at = self._transfer(self._tokens_by_tier(nodes))

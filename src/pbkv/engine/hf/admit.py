@@ -80,7 +80,7 @@ class CacheOps:
                 if move is not None:
                     over = max(0, device + sum(by_tier) - cap)
                     by_tier[lower[-1].tier] -= over
-                    self._count_hits(req, [min(device, cap)] + by_tier[1:])
+                    req.count_hits([min(device, cap)] + by_tier[1:])
                     req.move, req.loading, req.node = move, True, lower[-1]
                     self._start_transfer(move, req)
                     return LOADING, None
@@ -101,7 +101,7 @@ class CacheOps:
             elif pin is not None:
                 self.tree.unlock(pin)
             return BLOCKED, None
-        self._count_hits(req, [cached, 0, 0])
+        req.count_hits([cached, 0, 0])
         if recomputing:
             self.stats.recompute_instead_of_load += 1
         if req.node is not None:  # the pin its completed load held
@@ -116,13 +116,6 @@ class CacheOps:
             self._waited.add(id(req))
             self.stats.load_waits += 1
         return WAIT
-
-    def _count_hits(self, req: Request, per_tier: list[int]) -> None:
-        if req.counted:
-            return
-        req.counted = True
-        req.device_hit, req.host_hit, req.disk_hit = per_tier
-        req.recomputed = req.call.input_length - sum(per_tier)
 
     def _unpin_waiting(self) -> bool:
         """Nothing runs and the queue head cannot fit: release the prefixes queued requests
