@@ -130,14 +130,18 @@ def create_app(state: ServerState) -> FastAPI:
             lambda: engine_snapshot(state.worker, state.metrics)))
         return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def _parse(request: Request, schema):
+        """Auth, size limit, JSON, then the schema: each failure is an OpenAI-style 4xx."""
         check_api_key(request, state.api_key)
         data = await read_json(request, state.max_body_bytes)
         try:
-            body = schemas.ChatRequest.model_validate(data)
+            return schema.model_validate(data)
         except ValidationError as e:
             raise pydantic_errors(e) from None
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await _parse(request, schemas.ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = state.tokenizer.chat(messages)
         p = prepare(state, body, prompt_ids, messages[-1]["content"], True, *_hints(request))
@@ -145,12 +149,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_api_key(request, state.api_key)
-        data = await read_json(request, state.max_body_bytes)
-        try:
-            body = schemas.CompletionRequest.model_validate(data)
-        except ValidationError as e:
-            raise pydantic_errors(e) from None
+        body = await _parse(request, schemas.CompletionRequest)
         if isinstance(body.prompt, str):
             prompt_ids, text = state.tokenizer.encode(body.prompt), body.prompt
         else:
