@@ -1,0 +1,1 @@
+"""Plug-ins that put pbkv's cache policies inside other serving engines (`vllm`)."""

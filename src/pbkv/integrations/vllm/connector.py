@@ -1,0 +1,167 @@
+"""`PBKVConnector`: vLLM's KV-connector interface (v1) over pbkv's tiers and policy.
+
+Load it with no fork of vLLM:
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "PBKVConnector",
+        "kv_connector_module_path": "pbkv.integrations.vllm.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"policy": "pbkv", "model_dir": "predictor/"}}'
+
+Extra config (all optional): `policy` (a pbkv policy name, default "lru" without `model_dir`,
+"pbkv" with one), `model_dir` (a predictor saved by `pbkv train`), `device_tokens` (pbkv's model
+of vLLM's GPU prefix cache; default vLLM's whole pool), `host_tokens` (RAM tier, default 4 x
+device), `disk_tokens` (default 0: no disk tier), `disk_dir`, `steer_gpu` (default true: see
+`gpu_pool.py`), `stats_path` (a JSON file rewritten as requests finish).
+
+vLLM builds one instance per role: the scheduler's (`shadow.Shadow`: tree, policy, decisions)
+and one per worker rank (`store.BlockStore`: the data). Decisions travel as the step's metadata
+(`PBKVMeta`), so every rank executes the same plan. Loads are synchronous (done in
+`start_load_kv`, before the forward), saves happen in `wait_for_save` (after it); both copy
+whole blocks between the paged cache and the store. A block that fails to load is reported
+through `get_block_ids_with_load_errors`, and vLLM recomputes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pbkv.integrations.vllm import require_vllm
+
+require_vllm()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+
+from pbkv.cache import Capacities  # noqa: E402
+from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
+from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
+from pbkv.integrations.vllm.store import BlockStore  # noqa: E402
+
+log = logging.getLogger("pbkv.vllm")
+
+
+@dataclass
+class PBKVMeta(KVConnectorMetadata):
+    plan: Plan
+
+
+def block_key(block_hash) -> int:
+    """A vLLM block hash (bytes, chained over the prefix) as a 63-bit int tree key."""
+    raw = bytes(block_hash)
+    return int.from_bytes(raw[:8], "little") >> 1
+
+
+class PBKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+        self.extra = extra
+        self.shadow: Shadow | None = None
+        self.store: BlockStore | None = None
+        self._pool = None
+        self._local: dict[str, int] = {}   # request -> vLLM's own prefix hit at the last lookup
+        if role == KVConnectorRole.SCHEDULER:
+            self.shadow = self._make_shadow(extra)
+        else:
+            rank = getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0
+            self.store = BlockStore(extra.get("disk_dir"), rank=rank)
+
+    def _make_shadow(self, extra: dict) -> Shadow:
+        model_dir = extra.get("model_dir")
+        policy = extra.get("policy") or ("pbkv" if model_dir else "lru")
+        predictors = {}
+        if model_dir:
+            from pbkv.predict.predictor import load_predictor  # not bench's: it pins torch to 1 thread
+            predictors = {"fused": load_predictor(str(model_dir))}
+        device = int(extra.get("device_tokens") or max(self.num_blocks - 1, 1) * self.block_size)
+        caps = Capacities(device, int(extra.get("host_tokens", 4 * device)), int(extra.get("disk_tokens", 0)))
+        shadow = Shadow(self.block_size, caps, policy, predictors)
+        log.info("pbkv connector: policy %s, tiers %s", policy, caps)
+        return shadow
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_gpu_block_pool(self, gpu_block_pool) -> None:
+        if self.shadow is None or not self.extra.get("steer_gpu", True):
+            return
+        from pbkv.integrations.vllm.gpu_pool import GPUSteer
+        self._pool = GPUSteer(gpu_block_pool, self.shadow.stats)
+        self.shadow.ops.on_device_evict = self._pool.demote
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        keys = [block_key(h) for h in request.block_hashes]
+        if self._pool is not None:
+            self._pool.remember(keys, request.block_hashes)
+        hints = parse_hints(request.kv_transfer_params)
+        self._local[request.request_id] = num_computed_tokens
+        n = self.shadow.match(request.request_id, keys, request.num_prompt_tokens, num_computed_tokens, hints)
+        return n, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if request.request_id in self.shadow.reqs:
+            self.shadow.allocated(request.request_id, self._local.pop(request.request_id, 0), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        scheduled = []
+        n_sched = scheduler_output.num_scheduled_tokens
+        for r in scheduler_output.scheduled_new_reqs:
+            scheduled.append((r.req_id, r.block_ids[0], True, r.num_computed_tokens + n_sched.get(r.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            scheduled.append((req_id, new[0] if new is not None else None, req_id in cached.resumed_req_ids,
+                              cached.num_computed_tokens[i] + n_sched.get(req_id, 0)))
+        return PBKVMeta(self.shadow.build(scheduled))
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._local.pop(request.request_id, None)
+        self.shadow.finished(request.request_id)
+        path = self.extra.get("stats_path")
+        if path:
+            with open(path, "w") as f:
+                json.dump(self.stats(), f)
+        return False, None
+
+    def stats(self) -> dict:
+        s = self.shadow.stats
+        return {**asdict(s), "computed_tokens": s.computed_tokens, "policy": self.shadow.policy.name}
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self.store.register(kv_caches, self.num_blocks)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PBKVMeta)
+        for op, key in meta.plan.moves:
+            self.store.move(op, key)
+        for key, block_id in meta.plan.loads:
+            self.store.load(key, block_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return   # whole blocks are copied once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        for key, block_id in meta.plan.saves:
+            self.store.save(key, block_id)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.store is None:
+            return set()
+        failed, self.store.failed = self.store.failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,277 @@
+"""The scheduler side of the connector: pbkv's radix tree and policy over vLLM's blocks.
+
+Imports no vLLM, so it is unit-tested in the main venv. The tree's tiers mean:
+- DEVICE: vLLM's GPU prefix cache as pbkv models it (capacity `device_tokens`, default vLLM's
+  whole KV pool). Every node here also has a host-RAM mirror written at compute time: a
+  connector can read KV only while a request runs, so the copy that an eviction to host would
+  need must already exist. The mirror is not counted against `host_tokens`;
+- HOST: the connector's RAM tier (`host_tokens`);
+- DISK: one safetensors file per block (`disk_tokens`), sha256-checked when read.
+
+Invariants:
+- block keys are vLLM's chained block hashes (as ints), so a key names a whole prefix;
+- the worker executes each step's `Plan` in order: tier moves, then loads (before the forward),
+  then saves (after it). A node whose save is in the current plan stays locked until the next
+  plan is built, so it is never moved or dropped before its data exists;
+- a running request holds a lock on its cached path (vLLM holds those blocks too);
+- every tier change the tree records becomes a worker op (`_Ops` is the tree's `Storage`).
+Requests without hints are workflows of their own (see `hints.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pbkv.cache import Capacities, Node, RadixTree, Tier, TieredCache
+from pbkv.integrations.vllm.hints import Hints
+from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest, make_policy
+
+
+@dataclass
+class Plan:
+    """What the worker does in one step. Keys are ints; block ids index vLLM's paged cache."""
+
+    moves: list[tuple[str, int]] = field(default_factory=list)   # ("disk"|"host"|"drop", key)
+    loads: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), before the forward
+    saves: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), after the forward
+
+    def __bool__(self) -> bool:
+        return bool(self.moves or self.loads or self.saves)
+
+
+@dataclass
+class Stats:
+    """Token counters since start (prompt tokens, by where their KV came from)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    gpu_hit_tokens: int = 0      # vLLM's own prefix cache
+    host_hit_tokens: int = 0     # loaded from the connector's RAM
+    disk_hit_tokens: int = 0     # loaded from the connector's disk files
+    saved_tokens: int = 0
+    gpu_demoted_blocks: int = 0  # blocks moved to the head of vLLM's free queue (gpu_pool.py)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens - self.disk_hit_tokens
+
+
+@dataclass
+class _Req:
+    keys: list[int]
+    workflow: int
+    hints: Hints
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+    locked: Node | None = None
+    load: tuple[int, int] | None = None    # (first block, blocks) to load at the next plan
+    counted: bool = False
+
+
+class _Ops:
+    """The tree's `Storage`: turns tier changes into worker ops."""
+
+    def __init__(self, plan_of):
+        self.plan_of = plan_of
+        self.on_device_evict = None    # callable(keys) for blocks leaving pbkv's DEVICE tier
+
+    def moved(self, node: Node, src: Tier, dst: Tier) -> None:
+        if dst == Tier.DISK:
+            self.plan_of().moves.extend(("disk", k) for k in node.blocks)
+        elif src == Tier.DISK:   # loads read RAM or disk, but DEVICE/HOST nodes live in RAM
+            self.plan_of().moves.extend(("host", k) for k in node.blocks)
+        if src == Tier.DEVICE and self.on_device_evict is not None:
+            self.on_device_evict(node.blocks)
+
+    def split(self, upper: Node, lower: Node) -> None:
+        pass   # data is kept per block: a split changes nothing on the worker
+
+    def dropped(self, node: Node) -> None:
+        if node.tier == Tier.DEVICE and self.on_device_evict is not None:
+            self.on_device_evict(node.blocks)
+        self.plan_of().moves.extend(("drop", k) for k in node.blocks)
+
+
+class Shadow:
+    """pbkv's cache spine for one vLLM scheduler. See the module docstring."""
+
+    def __init__(self, block_size: int, capacities: Capacities, policy: str = "lru",
+                 predictors: dict | None = None, clock=time.monotonic):
+        self.block_size = block_size
+        self.clock = clock
+        ctx = PolicyContext(block_size=block_size, predictors=predictors or {})
+        self.policy = make_policy(policy, ctx)
+        self.ops = _Ops(lambda: self.plan)
+        self.cache = TieredCache(RadixTree(block_size), capacities, self.policy, storage=self.ops)
+        self.tree = self.cache.tree
+        self.policy.bind(self.cache, clock)
+        self.plan = Plan()
+        self.stats = Stats()
+        self.reqs: dict[str, _Req] = {}
+        self.workflows: dict[str, int] = {}     # workflow_id -> tree workflow number
+        self._steps: dict[int, int] = {}
+        self._next_wf = 0
+        self._pending: list[Node] = []           # locked until the next plan (saves in flight)
+        self._ending: set[int] = set()           # workflows marked done while a call still ran
+
+    # ------------------------------------------------------------------ vLLM scheduler calls
+
+    def match(self, req_id: str, keys: list[int], prompt_tokens: int, local_tokens: int,
+              hints: Hints) -> int:
+        """Tokens beyond vLLM's own `local_tokens` hit that the connector can load.
+
+        Only whole blocks, and never the last prompt token (vLLM must compute at least one)."""
+        usable = min(len(keys), (prompt_tokens - 1) // self.block_size)
+        if req_id not in self.reqs:
+            self._start(req_id, keys, prompt_tokens, hints)
+        self.reqs[req_id].keys = keys
+        _, matched = self.tree.match(keys[:usable])
+        return max(0, matched - local_tokens // self.block_size) * self.block_size
+
+    def allocated(self, req_id: str, local_tokens: int, external_tokens: int) -> None:
+        """vLLM allocated blocks: `external_tokens` will be loaded after `local_tokens`."""
+        st = self.reqs[req_id]
+        first, n = local_tokens // self.block_size, external_tokens // self.block_size
+        if not st.counted:
+            st.counted = True
+            s = self.stats
+            s.requests += 1
+            s.prompt_tokens += st.prompt_tokens
+            s.gpu_hit_tokens += local_tokens
+        if n <= 0:
+            return
+        node, _ = self.tree.match(st.keys[:first + n])
+        self._lock(st, node)
+        for path_node in node.path():
+            lo, hi = max(path_node.start, first), min(path_node.end, first + n)
+            if hi > lo:
+                tokens = (hi - lo) * self.block_size
+                if path_node.tier == Tier.DISK:
+                    self.stats.disk_hit_tokens += tokens
+                else:
+                    self.stats.host_hit_tokens += tokens
+        self._promote(node)
+        st.load = (first, n)
+
+    def build(self, scheduled: list[tuple[str, list[int] | None, bool, int]]) -> Plan:
+        """The plan of one step. `scheduled`: (req id, new block ids or None, replace them?,
+        tokens computed once this step ran)."""
+        for node in self._pending:
+            self.tree.unlock(node)
+        self._pending = []
+        for req_id, block_ids, replace, computed in scheduled:
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            if block_ids is not None:
+                st.block_ids = list(block_ids) if replace else st.block_ids + list(block_ids)
+            if st.load is not None:
+                first, n = st.load
+                self.plan.loads.extend((st.keys[i], st.block_ids[i]) for i in range(first, first + n))
+                st.load = None
+            st.computed = computed
+            self._save(st)
+        plan, self.plan = self.plan, Plan()
+        return plan
+
+    def finished(self, req_id: str) -> None:
+        """A request finished (or was aborted): release its path, record the use, maybe end
+        its workflow, offer the policy a prefetch (disk -> RAM)."""
+        st = self.reqs.pop(req_id, None)
+        if st is None:
+            return
+        now = self.clock()
+        node = st.locked
+        if node is not None:
+            self.tree.touch(node, now, st.workflow, st.hints.agent)
+            self.tree.unlock(node)
+            for n in node.path():
+                self.cache.refresh(n)
+        event = CallEvent(st.workflow, st.hints.agent, self._steps.get(st.workflow, 0), None,
+                          node or self.tree.root, now)
+        self.policy.on_call_end(event)
+        if st.hints.done or st.workflow in self._ending:
+            self._end(st)
+        self._prefetch(now)
+
+    # ------------------------------------------------------------------ internals
+
+    def _start(self, req_id: str, keys: list[int], prompt_tokens: int, hints: Hints) -> None:
+        wf = self.workflows.get(hints.workflow_id) if hints.hinted else None
+        if wf is None:
+            wf = self._next_wf
+            self._next_wf += 1
+            if hints.hinted:
+                self.workflows[hints.workflow_id] = wf
+            self.policy.on_workflow_start(wf, hints.workflow_id or f"request-{req_id}")
+        st = self.reqs[req_id] = _Req(keys, wf, hints, prompt_tokens)
+        step = self._steps[wf] = self._steps.get(wf, -1) + 1
+        node, _ = self.tree.match(keys)
+        self.policy.on_call_start(CallEvent(wf, hints.agent, step, None, node, self.clock()))
+        st.counted = False
+
+    def _end(self, st: _Req) -> None:
+        if any(o.workflow == st.workflow for o in self.reqs.values()):
+            self._ending.add(st.workflow)   # another call of it still runs: end after the last
+            return
+        self._ending.discard(st.workflow)
+        nodes = self.cache.end_workflow(st.workflow)
+        self.policy.on_workflow_end(st.workflow, nodes)
+        self._steps.pop(st.workflow, None)
+        if st.hints.hinted:
+            self.workflows.pop(st.hints.workflow_id, None)
+
+    def _lock(self, st: _Req, node: Node) -> None:
+        if node is st.locked or node is self.tree.root:
+            return
+        self.tree.lock(node)
+        if st.locked is not None:
+            self.tree.unlock(st.locked)
+        st.locked = node
+
+    def _promote(self, node: Node) -> None:
+        """Loaded blocks are now in vLLM's GPU cache: move their nodes to DEVICE if room."""
+        path = [n for n in node.path() if n.tier != Tier.DEVICE]
+        if path:
+            move = self.cache.prepare_load(path, Tier.DEVICE, keep_lock=False)
+            if move is not None:
+                self.cache.complete(move)
+
+    def _save(self, st: _Req) -> None:
+        """Insert the request's newly complete prompt blocks and plan their saves."""
+        full = min(st.computed, st.prompt_tokens, len(st.block_ids) * self.block_size) // self.block_size
+        full = min(full, len(st.keys))
+        if full <= 0:
+            return
+        node, matched = self.tree.match(st.keys[:full])
+        if matched:
+            self._promote(node)   # the prefix is in vLLM's GPU memory now, used by this request
+            if node.tier != Tier.DEVICE:
+                return            # no room to model it there: new blocks cannot hang below
+            self._lock(st, node)  # before `reserve`: making room must not evict the prefix
+        if matched < full:
+            tokens = (full - matched) * self.block_size
+            if not self.cache.reserve(tokens):
+                return   # everything pinned: these blocks stay uncached by the connector
+            node, added = self.cache.insert(st.keys[:full], self.block_size, self.clock())
+            self.cache.release(tokens - added)
+            self.plan.saves.extend((st.keys[i], st.block_ids[i]) for i in range(matched, full))
+            self.stats.saved_tokens += tokens
+            self.tree.lock(node)
+            self._pending.append(node)
+        self._lock(st, node)
+
+    def _prefetch(self, now: float) -> None:
+        free = self.cache.free(Tier.HOST)
+        if free <= 0:
+            return
+        for node in self.policy.prefetch(PrefetchRequest(free, free, now)):
+            path = [n for n in node.path() if n.tier == Tier.DISK]
+            if not path or not node.alive:
+                continue
+            move = self.cache.prepare_load(path, Tier.HOST, keep_lock=False, allow_evict=False)
+            if move is None:
+                break
+            self.cache.complete(move)

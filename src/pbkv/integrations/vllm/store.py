@@ -1,0 +1,140 @@
+"""The worker side of the connector: per-block KV in RAM or disk, copied to/from vLLM's paged cache.
+
+Imports no vLLM. One entry per block key (a vLLM block hash): a tensor of every attention
+layer's slice of that block, stacked ([layers, *block_shape]), in RAM or in one safetensors
+file (metadata: format and the sha256 of the tensor bytes; the store keeps the checksum too, and
+a read that does not match both raises `CorruptKV`: a damaged block is never served).
+
+The paged cache's block dimension is found per layer as the dimension of size `num_blocks`
+(0 on vLLM's CPU backend, 1 on CUDA backends that put K/V first), so no backend layout is
+hard-coded. Plans are executed in order: moves, loads (before the forward), saves (after it).
+With tensor parallelism every rank runs its own store over its own KV shard, with the same keys
+and the same plan (the scheduler's decisions reach all ranks); files carry the rank in their name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save_file
+
+from pbkv.engine.hf.disk import CorruptKV, tensor_sha256
+
+FORMAT = "pbkv-vllm-block"
+
+
+@dataclass
+class StoreStats:
+    saved_blocks: int = 0
+    loaded_ram_blocks: int = 0
+    loaded_disk_blocks: int = 0
+    files_written: int = 0
+    corrupt: int = 0
+    missing: int = 0        # a planned load or move of a key the store does not hold
+
+
+class BlockStore:
+    def __init__(self, directory: str | Path | None = None, rank: int = 0):
+        self._own = directory is None
+        self.directory = Path(directory or tempfile.mkdtemp(prefix="pbkv-vllm-"))
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self._own:
+            weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+        self.rank = rank
+        self.ram: dict[int, torch.Tensor] = {}
+        self.disk: dict[int, tuple[Path, str]] = {}     # key -> (file, sha256)
+        self.layers: list[tuple[torch.Tensor, int]] = []  # (paged cache, block dim)
+        self.stats = StoreStats()
+        self.failed: set[int] = set()                   # block ids whose load failed this step
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Remember vLLM's paged KV tensors (one per attention layer) and their block dimension."""
+        self.layers = []
+        for name, t in kv_caches.items():
+            dims = [d for d in range(min(2, t.dim())) if t.shape[d] == num_blocks]
+            if not dims:
+                raise ValueError(f"layer {name}: no dimension of size num_blocks={num_blocks} in {tuple(t.shape)}")
+            self.layers.append((t, dims[0]))
+
+    # ------------------------------------------------------------------ plan execution
+
+    def move(self, op: str, key: int) -> None:
+        if op == "drop":
+            self.ram.pop(key, None)
+            self._unlink(key)
+        elif op == "disk":
+            data = self.ram.pop(key, None)
+            if data is None:
+                self.stats.missing += 1
+                return
+            path = self.directory / f"r{self.rank}-{key:016x}.safetensors"
+            digest = tensor_sha256(data)
+            save_file({"kv": data.contiguous()}, str(path), metadata={"format": FORMAT, "sha256": digest})
+            self.disk[key] = (path, digest)
+            self.stats.files_written += 1
+        elif op == "host":
+            if key in self.ram:
+                return
+            try:
+                self.ram[key] = self._read(key)
+            except CorruptKV:
+                self.stats.corrupt += 1
+            self._unlink(key)
+        else:
+            raise ValueError(f"unknown move {op!r}")
+
+    def load(self, key: int, block_id: int) -> bool:
+        """Copy a stored block into the paged cache; False (block id recorded) if unreadable."""
+        data = self.ram.get(key)
+        try:
+            if data is None:
+                data = self._read(key)
+                self.stats.loaded_disk_blocks += 1
+            else:
+                self.stats.loaded_ram_blocks += 1
+        except CorruptKV:
+            self.stats.corrupt += 1
+            self.failed.add(block_id)
+            return False
+        for i, (t, dim) in enumerate(self.layers):
+            t.select(dim, block_id).copy_(data[i])
+        return True
+
+    def save(self, key: int, block_id: int) -> None:
+        if key in self.ram or key in self.disk:
+            return
+        self.ram[key] = torch.stack([t.select(dim, block_id).to("cpu", copy=True) for t, dim in self.layers])
+        self.stats.saved_blocks += 1
+
+    def close(self) -> None:
+        if self._own:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _read(self, key: int) -> torch.Tensor:
+        entry = self.disk.get(key)
+        if entry is None:
+            self.stats.missing += 1
+            raise CorruptKV(f"block {key:x}: not stored")
+        path, digest = entry
+        try:
+            raw = path.read_bytes()
+            data = st_load(raw)["kv"]
+        except (OSError, KeyError, ValueError, SafetensorError) as e:
+            raise CorruptKV(f"{path.name}: unreadable ({type(e).__name__})") from None
+        if tensor_sha256(data) != digest:
+            raise CorruptKV(f"{path.name}: checksum mismatch")
+        return data
+
+    def _unlink(self, key: int) -> None:
+        entry = self.disk.pop(key, None)
+        if entry is not None:
+            entry[0].unlink(missing_ok=True)

@@ -1,0 +1,131 @@
+"""The pbkv connector, GPU steer and offload policy against vLLM's real interfaces (fast, no engine).
+
+Skipped where vLLM is not importable (the main venv); `.ci/run` runs them in .venv-vllm."""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (its tests run in .venv-vllm: see .ci/run)")
+
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus  # noqa: E402
+
+from pbkv.integrations.vllm import kv_transfer_config  # noqa: E402
+from pbkv.integrations.vllm.connector import PBKVConnector, PBKVMeta, block_key  # noqa: E402
+from pbkv.integrations.vllm.gpu_pool import GPUSteer  # noqa: E402
+from pbkv.integrations.vllm.offload_policy import PBKVCachePolicy  # noqa: E402
+from pbkv.integrations.vllm.shadow import Stats  # noqa: E402
+
+BS = 32
+
+
+def make(role, **extra):
+    cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(**kv_transfer_config("lru", **extra)),
+                          cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(rank=0))
+    return PBKVConnector(cfg, role, SimpleNamespace(num_blocks=16))
+
+
+def request(rid, n_blocks, params=None, prompt=None):
+    hashes = [bytes([ord(rid[0]), i]) * 16 for i in range(n_blocks)]
+    return SimpleNamespace(request_id=rid, block_hashes=hashes, kv_transfer_params=params,
+                           num_prompt_tokens=prompt or n_blocks * BS + 1)
+
+
+def sched_output(new=(), n=()):
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c)
+                                               for r, b, c in new],
+                           scheduled_cached_reqs=cached, num_scheduled_tokens=dict(n))
+
+
+def test_is_a_vllm_connector_with_the_documented_config():
+    assert issubclass(PBKVConnector, KVConnectorBase_V1)
+    cfg = KVTransferConfig(**kv_transfer_config("pbkv", model_dir="m"))
+    assert cfg.kv_connector_module_path == "pbkv.integrations.vllm.connector"
+
+
+def test_scheduler_saves_then_offers_the_prefix():
+    c = make(KVConnectorRole.SCHEDULER, host_tokens=1024)
+    r = request("a", 3)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    c.update_state_after_alloc(r, None, 0)
+    meta = c.build_connector_meta(sched_output([("a", [4, 5, 6, 7], 0)], {"a": 3 * BS + 1}))
+    assert isinstance(meta, PBKVMeta) and meta.plan.saves == [(block_key(h), b) for h, b in zip(r.block_hashes, [4, 5, 6])]
+    c.request_finished(r, [4, 5, 6, 7])
+    r2 = request("a", 3)
+    r2.request_id = "b"
+    assert c.get_num_new_matched_tokens(r2, BS) == (2 * BS, False)   # vLLM had one block itself
+    c.update_state_after_alloc(r2, None, 2 * BS)
+    meta = c.build_connector_meta(sched_output([("b", [9, 10, 11, 12], 3 * BS)], {"b": 1}))
+    assert [b for _, b in meta.plan.loads] == [10, 11]
+    assert c.stats()["host_hit_tokens"] == 2 * BS and c.stats()["gpu_hit_tokens"] == BS
+
+
+def test_worker_executes_a_plan(tmp_path):
+    import torch
+    w = make(KVConnectorRole.WORKER, disk_dir=str(tmp_path))
+    caches = {"l0": torch.randn(16, 2, BS, 8), "l1": torch.randn(16, 2, BS, 8)}
+    w.register_kv_caches(caches)
+    s = make(KVConnectorRole.SCHEDULER)
+    r = request("x", 1)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, None, 0)
+    w.bind_connector_metadata(s.build_connector_meta(sched_output([("x", [3, 4], 0)], {"x": BS + 1})))
+    w.start_load_kv(None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+    before = caches["l0"][3].clone()
+    caches["l0"][7].zero_()
+    w.store.load(block_key(r.block_hashes[0]), 7)
+    assert torch.equal(caches["l0"][7], before) and w.get_block_ids_with_load_errors() == set()
+
+
+def test_gpu_steer_sends_demoted_blocks_to_the_head_of_the_free_queue():
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BS)
+    blocks = pool.get_new_blocks(3)
+    hashes = [b"h0" * 16, b"h1" * 16, b"h2" * 16]
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    for b, h in zip(blocks, hashes):   # what cache_full_blocks does for a computed block
+        pool._insert_block_hash(make_block_hash_with_group_id(h, 0), b, BS)
+    cached = [pool.get_cached_block(h, [0]) for h in hashes]
+    if not all(cached):
+        pytest.skip("this vLLM's BlockPool caches blocks through another path")
+    pool.free_blocks(blocks)
+    stats = Stats()
+    steer = GPUSteer(pool, stats)
+    keys = [block_key(h) for h in hashes]
+    steer.remember(keys, hashes)
+    steer.demote([keys[2]])
+    assert stats.gpu_demoted_blocks == 1
+    assert pool.get_cached_block(hashes[2], [0]) is None
+    assert pool.free_block_queue.get_all_free_blocks()[0] is blocks[2]
+
+
+def ctx(wf=None, done=False):
+    params = {"workflow_id": wf, "workflow_done": done} if wf else None
+    return SimpleNamespace(kv_transfer_params=params)
+
+
+def chunk(ref=0):
+    c = ChunkStatus(0)
+    c.ref_cnt = ref
+    return c
+
+
+def test_offload_policy_is_a_cache_policy_retired_first_and_atomic():
+    assert issubclass(PBKVCachePolicy, CachePolicy)
+    p = PBKVCachePolicy(8)
+    for k in (b"a", b"b", b"c", b"d"):
+        p.insert(k, chunk())
+    p.on_request_finished([[b"a"]], set(), set(), ctx("w1", done=True))   # a: retired
+    p.on_request_finished([[b"b"]], set(), set(), ctx("w2"))              # b: live workflow
+    p.touch([b"c"], ctx())                                                 # c, d: unhinted, LRU
+    assert [k for k, _ in p.evict(2, set())] == [b"a", b"d"]
+    assert p.evict(3, set()) is None and set(p.chunks) == {b"b", b"c"}   # atomic
+    assert [k for k, _ in p.evict(1, {b"c"})] == [b"b"]                  # protected skipped
+    p.chunks[b"c"].ref_cnt = 1
+    assert p.evict(1, set()) is None                                     # pinned never evicted
