@@ -238,6 +238,17 @@ class TieredCache:
             self.reserved -= move.tokens
         self.tree.unlock(move.nodes[-1])
 
+    @staticmethod
+    def below_device(node: Node) -> list[Node]:
+        """The path segment that is not on the device, root side first: what loading `node`
+        onto the device moves (empty when `node` is on the device)."""
+        segment = []
+        while node.tier != Tier.DEVICE:
+            segment.append(node)
+            node = node.parent
+        segment.reverse()
+        return segment
+
     def discard(self, node: Node) -> bool:
         """Drop `node` and its subtree now (their data is lost, e.g. a corrupt disk file).
 

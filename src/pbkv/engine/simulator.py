@@ -306,12 +306,7 @@ class Simulator:
         self.stats.policy_calls += 1
         wanted = self._timed(self.policy.prefetch, PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
         for node in wanted:
-            segment = []
-            n = node
-            while n.tier != Tier.DEVICE:
-                segment.append(n)
-                n = n.parent
-            segment.reverse()
+            segment = self.cache.below_device(node)
             tokens = sum(n.tokens for n in segment)
             if not segment or tokens > budget or any(n.lock or n.id in self._inflight for n in segment):
                 continue

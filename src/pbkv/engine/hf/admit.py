@@ -219,11 +219,7 @@ class CacheOps:
         wanted = self._timed(self.policy.prefetch,
                              PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.clock.now()))
         for node in wanted:
-            segment, n = [], node
-            while n.tier != Tier.DEVICE:
-                segment.append(n)
-                n = n.parent
-            segment.reverse()
+            segment = self.cache.below_device(node)
             tokens = sum(n.tokens for n in segment)
             if (not segment or tokens > budget or any(n.lock or n.id in self._inflight for n in segment)
                     or any(self.store.is_lost(n) for n in segment)):
