@@ -237,10 +237,14 @@ def perf_sim(
     workflows: int = typer.Option(2000, min=1),
     concurrency: int = typer.Option(64, min=1),
     policy: str = typer.Option("lru"),
+    model: Optional[Path] = typer.Option(None, help="Predictor saved by `pbkv train` (for pbkv policies)."),
 ):
     """Calls simulated per minute (target >= 100,000)."""
     from pbkv.bench.perf import sim_speed
-    r = sim_speed(workload, workflows, concurrency, policy)
+    try:
+        r = sim_speed(workload, workflows, concurrency, policy, str(model) if model else None)
+    except ValueError as e:
+        _fail(str(e))
     console.print(f"{r['calls']} calls in {r['seconds']:.2f} s: {r['calls_per_minute']:,.0f} calls simulated per minute "
                   f"({workload}, {policy}, concurrency {concurrency}; generation not counted)")
 

@@ -11,12 +11,14 @@ from pbkv.engine.profiles import load_profile
 from pbkv.policy import PolicyContext, make_policy
 
 
-def sim_speed(workload: str, workflows: int, concurrency: int, policy: str) -> dict:
+def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, model: str | None = None) -> dict:
     from pbkv.workloads import generate, load_spec
     spec = load_spec(workload)
     wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
-    start = time.perf_counter()
-    record = simulate(wl, RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b")))
+    predictors = _predictors(policy, model)
+    start = time.perf_counter()  # batched predictions (as `pbkv bench` makes them) are timed too
+    record = simulate(wl, RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
+                                    predictors=predictors))
     seconds = time.perf_counter() - start
     return {"calls": record["calls"], "seconds": seconds, "calls_per_minute": record["calls"] / seconds * 60}
 
@@ -25,15 +27,10 @@ def policy_overhead(workload: str, policy: str, model: str | None, workflows: in
                     device_tokens: int | None, host_tokens: int | None) -> dict:
     """Wall time of the policy's decisions (live predictions, one per call, on one torch thread)
     against the simulated makespan of the same run: what the policy would add to serving time."""
-    from pbkv.bench.predictors import load
-    from pbkv.policy.registry import needed_predictor
     from pbkv.workloads import generate, load_spec
     spec = load_spec(workload)
     wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
-    variant = needed_predictor(policy)
-    if variant and not model:
-        raise ValueError(f"{policy} needs a predictor: pass --model DIR (saved by `pbkv train`)")
-    predictors = {variant: load(model)} if variant else {}
+    predictors = _predictors(policy, model)
     cfg = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
                     device_tokens=device_tokens, host_tokens=host_tokens, predictors=predictors,
                     options={"live_predictions": True})
@@ -43,6 +40,15 @@ def policy_overhead(workload: str, policy: str, model: str | None, workflows: in
             "policy_seconds": record["policy_seconds"], "makespan_s": record["makespan_s"],
             "us_per_call": record["policy_seconds"] / record["calls"] * 1e6,
             "overhead": record["policy_overhead"]}
+
+
+def _predictors(policy: str, model: str | None) -> dict:
+    from pbkv.bench.predictors import load
+    from pbkv.policy.registry import needed_predictor
+    variant = needed_predictor(policy)
+    if variant and not model:
+        raise ValueError(f"{policy} needs a predictor: pass --model DIR (saved by `pbkv train`)")
+    return {variant: load(model)} if variant else {}
 
 
 def evict_speed(nodes: int, policy: str, seed: int = 0) -> dict:
