@@ -63,12 +63,13 @@ def bench(
     model: Optional[Path] = typer.Option(None, help="Load the predictor saved by `pbkv train`."),
     horizon: Optional[int] = typer.Option(None, min=1, help="Prediction horizon K (default: the predictor's; 3 when training)."),
     online: bool = typer.Option(False, help="Retrain the predictor from finished workflows during the run."),
-    engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator) or 'hf' (a real transformers model, wall-clock time)."),
+    engine: str = typer.Option("sim", help="Engine: 'sim' (the discrete-event simulator), 'hf' (a real transformers model, wall-clock time) or 'vllm' (a real vLLM alone (policy 'vllm') and with pbkv's connector per policy; docs/vllm.md)."),
     model_path: str = typer.Option("tiny", help="--engine hf: 'tiny' (random small Llama), 'smollm2' (needs pbkv\\[smollm2]) or a local model directory."),
     scale: float = typer.Option(1.0, help="--engine hf: divide every prompt and output length by this (prefix sharing kept)."),
     output_scale: Optional[float] = typer.Option(None, help="--engine hf: divide output lengths by this instead (default: --scale)."),
     load_rule: str = typer.Option("auto", help="--engine hf: host/disk prefixes: auto (load if estimated faster than recompute), load, recompute."),
     threads: int = typer.Option(1, min=1, help="--engine hf: torch CPU threads."),
+    vllm_python: Optional[Path] = typer.Option(None, help="--engine vllm: python of the venv with vLLM (default: .venv-vllm/bin/python; see docs/vllm.md)."),
     jobs: int = typer.Option(2, min=1, help="Parallel worker processes."),
     out: Path = typer.Option(Path("results/bench"), help="Folder for the JSON, PNG plots and trained predictors."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="JSON path (default: OUT/bench.json)."),
@@ -77,8 +78,33 @@ def bench(
     hf = None
     if engine == "hf":
         hf = _hf_config(model_path, scale, output_scale, load_rule, threads, seed)
+    vllm = None
+    if engine == "vllm":
+        hf = _hf_config(model_path, scale, output_scale, load_rule, threads, seed)  # same checks
+        vllm = _vllm_config(vllm_python, model_path, scale, output_scale, device_tokens, host_tokens, disk_tokens,
+                            seed)
     _run_bench(workload, trace, _split(policies), concurrency, profile, device_tokens, host_tokens, disk_tokens,
-               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf)
+               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf, vllm=vllm)
+
+
+def _vllm_config(python, model_path, scale, output_scale, device_tokens, host_tokens, disk_tokens, seed):
+    """--engine vllm: find the vLLM venv's python (clear error, exit 2) and size vLLM and the connector."""
+    from dataclasses import replace
+
+    from pbkv.bench.vllm_run import BLOCK, VLLMConfig, VLLMRunError, find_python
+    try:
+        cfg = VLLMConfig(python=find_python(str(python) if python else None), scale=scale,
+                         output_scale=output_scale, seed=seed,
+                         model=None if model_path in ("tiny", "smollm2") else model_path)
+    except VLLMRunError as e:
+        _fail(str(e))
+    if device_tokens is not None:
+        cfg = replace(cfg, blocks=-(-device_tokens // BLOCK))
+    if host_tokens is not None:
+        cfg = replace(cfg, host_tokens=host_tokens)
+    if disk_tokens is not None:
+        cfg = replace(cfg, disk_tokens=disk_tokens)
+    return cfg
 
 
 def _hf_config(model_path, scale, output_scale, load_rule, threads, seed):
@@ -118,15 +144,15 @@ def ablate(
 
 
 def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, host_tokens, disk_tokens, workflows,
-               seed, train, model, horizon, online, engine, jobs, out, json_path, hf=None) -> None:
+               seed, train, model, horizon, online, engine, jobs, out, json_path, hf=None, vllm=None) -> None:
     from pbkv.bench.main import BenchArgs, run
     from pbkv.bench.predictors import PredictorSource
     from pbkv.bench.sweep import source_from_arg
     from pbkv.policy import UnknownPolicy
     from pbkv.trace import TraceError
 
-    if engine not in ("sim", "hf"):
-        _fail(f"--engine: unknown engine {engine!r}; available: sim, hf")
+    if engine not in ("sim", "hf", "vllm"):
+        _fail(f"--engine: unknown engine {engine!r}; available: sim, hf, vllm")
     for path in [*(trace or []), *(train or [])] + ([model] if model else []):
         if not path.exists():
             _fail(f"{path}: no such file or directory")
@@ -137,7 +163,7 @@ def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, h
         options.update(online=True, train_files=[str(t) for t in train or []])
     args = BenchArgs(sources=sources, policies=policies, concurrency=_concurrency(concurrency), profile=profile,
                      device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens, jobs=jobs,
-                     out=out, json_path=json_path, options=options, engine=engine, hf=hf,
+                     out=out, json_path=json_path, options=options, engine=engine, hf=hf, vllm=vllm,
                      predictor=PredictorSource(model=str(model) if model else None,
                                                train=tuple(str(t) for t in train or []), horizon=horizon or 3))
     try:
@@ -145,7 +171,11 @@ def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, h
     except (UnknownPolicy, TraceError, ValueError) as e:
         _fail(str(e))
     except RuntimeError as e:  # the real engine: a model that cannot load, an engine stuck
+        from pbkv.bench.vllm_run import VLLMRunError
         from pbkv.engine.hf import EngineError, ModelLoadError
+        if isinstance(e, VLLMRunError):  # a worker's stderr tail: no rich markup
+            from rich.markup import escape
+            _fail(escape(str(e)))
         if isinstance(e, (ModelLoadError, EngineError)):
             _fail(str(e))
         raise

@@ -27,7 +27,14 @@ class BenchArgs(SweepConfig):
 
 
 def check(args: BenchArgs) -> list[str]:
-    """Validate names before any work; return the policy list with LRU and the oracle in it."""
+    """Validate names before any work; return the policy list with LRU and the oracle in it
+    (on vLLM: with "vllm", vLLM alone, first; the oracle cannot run there)."""
+    if args.engine == "vllm":
+        from pbkv.policy.registry import needs_future
+        pols = [p for p in args.policies if p != "vllm"]
+        for p in pols:
+            policy_class(p)
+        return ["vllm"] + [p for p in pols if not needs_future(p)]
     for p in args.policies:
         policy_class(p)
     load_profile(args.profile)
@@ -45,11 +52,13 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         load_workload(s)
     with _bar(console) as bar:
         task = bar.add_task("training predictors", total=None)
-        paths = predictors_mod.prepare(args.sources, pols, args.predictor, args.out / "models",
+        trained = [p for p in pols if p != "vllm"]        # vLLM alone: not a pbkv policy
+        paths = predictors_mod.prepare(args.sources, trained, args.predictor, args.out / "models",
                                        progress=lambda done, total: bar.update(task, completed=done, total=total),
                                        jobs=args.jobs)
         cfg = replace(args, policies=pols, predictors=paths)
-        bar.update(task, description="simulating" if args.engine == "sim" else "running the model", completed=0,
+        doing = {"sim": "simulating", "vllm": "running vLLM"}.get(args.engine, "running the model")
+        bar.update(task, description=doing, completed=0,
                    total=len(args.sources) * len(pols) * len(args.concurrency))
         records = run_sweep(cfg, on_done=lambda r: bar.update(
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"))

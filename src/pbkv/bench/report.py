@@ -22,8 +22,8 @@ def tables(records: list[dict]) -> list[Table]:
     for workload in dict.fromkeys(r["workload"] for r in records):
         rows = [r for r in records if r["workload"] == workload]
         first = rows[0]
-        if first.get("engine") == "hf":
-            out.append(hf_table(workload, rows))
+        if first.get("engine") in ("hf", "vllm"):
+            out.append((hf_table if first["engine"] == "hf" else vllm_table)(workload, rows))
             continue
         t = Table(title=f"{workload}: {first['workflows']} workflows; KV tokens device {first['device_tokens']:,}, "
                         f"host {first['host_tokens']:,}, disk {first['disk_tokens']:,}",
@@ -57,6 +57,26 @@ def hf_table(workload: str, rows: list[dict]) -> Table:
                   _fmt(r["mean_ttft_s"]), _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True),
                   _fmt(r["disk_hit_rate"], True), f"{r['computed_tokens']:,}", f"{r['loaded_host_tokens']:,}",
                   f"{r['loaded_disk_tokens']:,}", _fmt(r["wall_seconds"]),
+                  f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
+    return t
+
+
+def vllm_table(workload: str, rows: list[dict]) -> Table:
+    """vLLM runs: alone ("vllm") and with pbkv's connector (the other policies)."""
+    first = rows[0]
+    t = Table(title=f"{workload} on vLLM, {first.get('model')} (scale {first.get('scale')}): {first['workflows']} "
+                    f"workflows; KV tokens vLLM {first['device_tokens']:,}, connector RAM "
+                    f"{max(r['host_tokens'] for r in rows):,}, disk {max(r['disk_tokens'] for r in rows):,}",
+              caption="vllm: vLLM alone, others: vLLM + pbkv connector with that policy; tokens: prompt, computed "
+                      "(prefilled), hits in vLLM's prefix cache / connector RAM / disk; lat: wall-clock s per "
+                      "workflow; wall: whole replay; xvLLM: vLLM-alone latency / setup's")
+    for col in ("conc", "policy", "calls", "prompt", "computed", "vLLM hit", "RAM hit", "disk hit", "lat", "wall",
+                "xvLLM"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(str(r["concurrency"] or "open"), r["policy"], str(r["calls"]), f"{r['prompt_tokens']:,}",
+                  f"{r['computed_tokens']:,}", f"{r['vllm_hit_tokens']:,}", f"{r['ram_hit_tokens']:,}",
+                  f"{r['disk_hit_tokens']:,}", _fmt(r["mean_workflow_latency_s"]), _fmt(r["wall_seconds"]),
                   f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
     return t
 

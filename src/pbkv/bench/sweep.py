@@ -25,7 +25,9 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "call
                # real engine (--engine hf) only
                "model", "scale", "wall_seconds", "idle_skipped_seconds", "computed_tokens", "prefill_seconds",
                "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
-               "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written", "peak_rss_mb")
+               "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written", "peak_rss_mb",
+               # vLLM (--engine vllm) only
+               "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks")
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,9 @@ class SweepConfig:
     jobs: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     options: dict = field(default_factory=dict)
     predictors: dict = field(default_factory=dict)   # (workload, variant) -> saved predictor dir
-    engine: str = "sim"                              # sim | hf
+    engine: str = "sim"                              # sim | hf | vllm
     hf: object = None                                # pbkv.bench.hf_run.HFConfig when engine == "hf"
+    vllm: object = None                              # pbkv.bench.vllm_run.VLLMConfig when engine == "vllm"
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,6 +71,12 @@ def load_workload(source: Source) -> Workload:
 
 def _run_one(args: tuple) -> dict:
     source, policy, concurrency, cfg = args
+    if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
+        from pbkv.bench.vllm_run import VLLMConfig, run_policy
+        from pbkv.policy.registry import needed_predictor
+        variant = needed_predictor(policy) if policy != "vllm" else None
+        return run_policy(load_workload(source), policy, concurrency, cfg.vllm or VLLMConfig(),
+                          cfg.predictors.get((source.name, variant)) if variant else None)
     predictors = {variant: predictors_mod.load(path)
                   for (name, variant), path in cfg.predictors.items() if name == source.name}
     options = dict(cfg.options)
@@ -92,7 +101,7 @@ def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
     results: list[dict | None] = [None] * len(jobs)
     # real-engine runs go one after another in this process: one model load, and wall times
     # not distorted by a second run competing for the cores
-    if cfg.jobs <= 1 or len(jobs) == 1 or cfg.engine == "hf":
+    if cfg.jobs <= 1 or len(jobs) == 1 or cfg.engine in ("hf", "vllm"):
         for i, job in enumerate(jobs):
             results[i] = _run_one(job)
             if on_done:
@@ -108,14 +117,17 @@ def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
 
 
 def finish_records(records: list[dict]) -> list[dict]:
-    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records, round floats."""
-    lru = {(r["workload"], r["concurrency"]): r for r in records if r["policy"] == "lru"}
+    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records, round floats.
+    On vLLM (`engine` "vllm") the baseline is vLLM alone (policy "vllm") instead of LRU."""
+    def baseline(r):
+        return "vllm" if r.get("engine") == "vllm" else "lru"
+    lru = {(r["workload"], r["concurrency"]): r for r in records if r["policy"] == baseline(r)}
     out = []
     for r in records:
         rec = {k: r[k] for k in RECORD_KEYS if k in r}
         base = lru.get((r["workload"], r["concurrency"]))
-        if base is not None and r["policy"] != "lru":
-            rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / r["mean_workflow_latency_s"]
+        if base is not None and r["policy"] != baseline(r):
+            rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / max(r["mean_workflow_latency_s"], 1e-12)
             rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)
             rec["device_hit_ratio_vs_lru"] = r["device_hit_rate"] / max(base["device_hit_rate"], 1e-12)
         out.append({k: _round(v) for k, v in rec.items()})

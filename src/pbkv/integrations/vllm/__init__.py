@@ -7,7 +7,8 @@
 - `gpu_pool.py`: the blocks pbkv's policy evicts from its model of vLLM's GPU prefix cache are
   moved to the head of vLLM's free-block queue, so vLLM reuses them first;
 - `offload_policy.PBKVCachePolicy`: a `CachePolicy` for vLLM's native CPU offload tier;
-- `examples/vllm_figures.py`: a hover workload through vLLM alone and vLLM + the connector.
+- `examples/vllm_figures.py` and `pbkv bench --engine vllm` (`pbkv.bench.vllm_run`): workloads
+  through vLLM alone and vLLM + the connector.
 
 The modules that import vLLM do so lazily; `require_vllm()` names the install command.
 """

