@@ -26,6 +26,7 @@ from typing import Callable
 
 from pbkv.cache import Node, Tier, TieredCache
 from pbkv.engine.cost import CostModel
+from pbkv.engine.prefetch import prepare_prefetches
 from pbkv.engine.request import Request
 from pbkv.policy import CallEvent, Policy, PrefetchRequest
 
@@ -305,18 +306,10 @@ class Simulator:
             return
         self.stats.policy_calls += 1
         wanted = self._timed(self.policy.prefetch, PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
-        for node in wanted:
-            segment = self.cache.below_device(node)
-            tokens = sum(n.tokens for n in segment)
-            if not segment or tokens > budget or any(n.lock or n.id in self._inflight for n in segment):
-                continue
-            move = self.cache.prepare_load(segment, keep_lock=False,
-                                           allow_evict=self.policy.allow_evict_for_prefetch)
-            if move is None:
-                continue
-            budget -= tokens
+        for move, tokens in prepare_prefetches(self.cache, wanted, budget, self.policy.allow_evict_for_prefetch,
+                                               lambda n: n.id in self._inflight):
             self.stats.prefetched_tokens += tokens
-            done_at = self._start_load(segment)
+            done_at = self._start_load(move.nodes)
             self.at(done_at, lambda m=move: self._complete(m))
 
     def _event(self, req: Request, node: Node | None) -> CallEvent:

@@ -11,17 +11,7 @@ Rules (DESIGN.md):
 
 from __future__ import annotations
 
-from pbkv.cache import Node, Tier
-
-
-def segment(node: Node) -> list[Node]:
-    """The node and its ancestors that are not on the device, root side first."""
-    out = []
-    while node.tier != Tier.DEVICE:
-        out.append(node)
-        node = node.parent
-    out.reverse()
-    return out
+from pbkv.cache import Node, Tier, TieredCache
 
 
 def plan(candidates: list[tuple[float, Node]], budget_tokens: int, space_tokens: int,
@@ -35,7 +25,7 @@ def plan(candidates: list[tuple[float, Node]], budget_tokens: int, space_tokens:
             break
         if node.lock or node.tier == Tier.DEVICE:
             continue
-        need = [n for n in segment(node) if n.id not in taken]
+        need = [n for n in TieredCache.below_device(node) if n.id not in taken]
         tokens = sum(n.tokens for n in need)
         if not need or tokens > limit or any(n.lock for n in need):
             continue

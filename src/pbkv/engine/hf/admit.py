@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from pbkv.cache import Move, Node, Tier
 from pbkv.engine.hf.transfer import Transfer, load_task
+from pbkv.engine.prefetch import prepare_prefetches
 from pbkv.engine.request import Request
 from pbkv.policy import PrefetchRequest
 
@@ -218,16 +219,7 @@ class CacheOps:
         budget = self.rates.prefetch_budget()
         wanted = self._timed(self.policy.prefetch,
                              PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.clock.now()))
-        for node in wanted:
-            segment = self.cache.below_device(node)
-            tokens = sum(n.tokens for n in segment)
-            if (not segment or tokens > budget or any(n.lock or n.id in self._inflight for n in segment)
-                    or any(self.store.is_lost(n) for n in segment)):
-                continue
-            move = self.cache.prepare_load(segment, keep_lock=False,
-                                           allow_evict=self.policy.allow_evict_for_prefetch)
-            if move is None:
-                continue
-            budget -= tokens
+        for move, tokens in prepare_prefetches(self.cache, wanted, budget, self.policy.allow_evict_for_prefetch,
+                                               lambda n: n.id in self._inflight or self.store.is_lost(n)):
             self.stats.prefetched_tokens += tokens
             self._start_transfer(move, None)

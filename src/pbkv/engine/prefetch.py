@@ -1,0 +1,24 @@
+"""Turning a policy's prefetch choices into prepared host->device moves; shared by both engines."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from pbkv.cache import Move, Node, TieredCache
+
+
+def prepare_prefetches(cache: TieredCache, wanted: list[Node], budget: int, allow_evict: bool,
+                       busy: Callable[[Node], bool]) -> Iterator[tuple[Move, int]]:
+    """Yield (prepared move, tokens) for each wanted node whose off-device segment fits what is
+    left of `budget` and has no node locked or `busy` (in flight, lost); the caller starts each
+    transfer. Nodes that cannot get room are skipped; the budget only pays for prepared moves."""
+    for node in wanted:
+        segment = cache.below_device(node)
+        tokens = sum(n.tokens for n in segment)
+        if not segment or tokens > budget or any(n.lock or busy(n) for n in segment):
+            continue
+        move = cache.prepare_load(segment, keep_lock=False, allow_evict=allow_evict)
+        if move is None:
+            continue
+        budget -= tokens
+        yield move, tokens
