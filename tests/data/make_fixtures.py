@@ -38,7 +38,7 @@ class Prefixes:
 
 def meta(workload: str, notes: str) -> dict:
     return {"pbkv_trace": 1, "block_size": BLOCK, "source": "hand-made for pbkv's tests "
-            "(tests/data/make_fixtures.py)", "license": "as pbkv", "workload": workload, "notes": notes}
+            "(tests/data/make_fixtures.py)", "license": "Apache-2.0", "workload": workload, "notes": notes}
 
 
 CHATDEV = {  # workflow -> roles in step order
