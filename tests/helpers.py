@@ -10,7 +10,7 @@ _ids: dict[str, int] = {}
 
 
 def ids(prompt: str) -> list[int]:
-    """Chained block ids: equal prefixes give equal ids (as TRACE_FORMAT requires)."""
+    """Chained block ids: equal prefixes give equal ids (as docs/trace-format.md requires)."""
     return [_ids.setdefault(prompt[: i + 1], len(_ids)) for i in range(len(prompt))]
 
 

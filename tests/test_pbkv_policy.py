@@ -3,7 +3,6 @@
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from helpers import BLOCK, FakePredictor, ids, make_cache, put
 from pbkv.cache import Tier

@@ -22,7 +22,7 @@ runner = CliRunner()
 
 
 def make_trace(workflows: list[list[str]], contexts: list[list[str | None]] | None = None) -> Trace:
-    """One call per agent, 16-token prompts with a fresh hash id each (valid TRACE_FORMAT)."""
+    """One call per agent, 16-token prompts with a fresh hash id each (a valid v1 trace)."""
     calls, nid = [], 0
     for w, agents in enumerate(workflows):
         for s, a in enumerate(agents):

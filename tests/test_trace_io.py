@@ -1,4 +1,4 @@
-"""TRACE_FORMAT v1 reading and writing: every rule is enforced with file, line, field and value."""
+"""Trace format v1 (docs/trace-format.md) reading and writing: every rule is enforced with file, line, field and value."""
 
 import gzip
 import json

@@ -1,12 +1,12 @@
-"""pbkv.trace.stats on tiny hand-built traces (hand-computed values) and on the chatdev dev trace."""
+"""pbkv.trace.stats on tiny hand-built traces and on the fixtures of tests/data (hand-computed values;
+the definitions are in docs/trace-format.md, "Statistics")."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import math
 from pathlib import Path
 
-import pytest
 
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.trace.io import read_trace, validate
@@ -14,7 +14,7 @@ from pbkv.trace.stats import (END, MarkovPredictor, conditional_entropy, format_
                               percentile_summary, prefix_reuse, trace_stats, transitions)
 
 BS = 4
-CHATDEV = Path(__file__).parents[2] / "shared/traces/chatdev-dev.jsonl"
+DATA = Path(__file__).resolve().parent / "data"
 
 
 def make_trace(workflows: dict[str, list], out_len: int = 1) -> Trace:
@@ -105,7 +105,7 @@ def test_single_call_workflows_give_none_and_na():
     t = make_trace({"a": ["chat"], "b": ["chat"]})
     s = trace_stats(t, heldout=t)
     assert s["pairs"] == 0 and s["h_next"] is None
-    assert s["h_next_end"] == 0.0  # as STATS.md for mooncake: END is the only next value
+    assert s["h_next_end"] == 0.0  # one-call workflows: END is the only next value
     assert all(s["markov"][k] is None for k in ("top1", "top1_end", "same", "top", "unseen"))
     text = format_stats(s)
     assert "- H(next agent | current agent): n/a bits" in text
@@ -123,21 +123,68 @@ def test_format_stats_lines():
     assert "Markov" not in text  # no heldout given
 
 
-def test_chatdev_dev_plausible():
-    if not CHATDEV.exists():
-        pytest.skip(f"{CHATDEV} not present")
-    t = read_trace(CHATDEV)
+def test_fixtures_are_what_the_generator_writes():
+    spec = importlib.util.spec_from_file_location("make_fixtures", DATA / "make_fixtures.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    for name in gen.FIXTURES:
+        assert (DATA / name).read_text(encoding="utf-8") == gen.render(name), name
+        read_trace(DATA / name)  # valid
+
+
+def test_chatdev_fixture_counted_by_hand():
+    # chatdev-a: CPO CEO P R P R P; chatdev-b: CPO CEO P R P T P; chatdev-c: CPO P R P
+    # (CPO/CEO = Chief Product/Executive Officer, P = Programmer, R = Code Reviewer,
+    # T = Software Test Engineer); every prompt is 4 blocks: role (2), task (1), message (1).
+    t = read_trace(DATA / "chatdev-mini.jsonl")
     s = trace_stats(t, heldout=t)
     json.dumps(s)
     assert s["workload"] == "chatdev"
-    assert s["workflows"] >= 20 and s["calls"] >= 300
-    assert s["pairs"] == s["calls"] - s["workflows"]
-    assert 5 <= s["agents"] <= 20 and s["agent_calls"][0][0] == "Programmer"
-    assert 0.3 < s["reuse_within_workflow"] <= s["reuse_global"] < 0.6
-    assert 0.9 < s["h_next"] < s["h_next_end"] < 1.6
+    assert (s["workflows"], s["calls"], s["agents"], s["pairs"]) == (3, 18, 5, 15)
+    assert s["agent_calls"] == [["Programmer", 8], ["Code Reviewer", 4], ["Chief Product Officer", 3],
+                                ["Chief Executive Officer", 2], ["Software Test Engineer", 1]]
+    assert s["calls_per_workflow"] == {"median": 7, "p90": 7, "max": 7}  # sorted 4, 7, 7
+    # within a workflow, a call whose role already ran in it hits its 3 role+task blocks: a 3
+    # calls, b 2, c 1 -> 18 of 72 blocks; globally also the 2 role blocks of a role that ran in an
+    # earlier workflow: b's CPO CEO P R, c's CPO P R -> 7 x 2 = 14 more -> 32 / 72
+    assert (s["reuse_within_workflow"], s["reuse_global"]) == (0.25, 0.444)
+    # successors: CPO -> CEO 2, P 1; CEO -> P 2; P -> R 4, T 1; R -> P 4; T -> P 1 (15 pairs)
+    # H = 3/15 H(2/3, 1/3) + 5/15 H(4/5, 1/5) = 0.2 * 0.9183 + 0.3333 * 0.7219 = 0.424
+    # with END (3 more, all after P): 3/18 * 0.9183 + 8/18 * H(4/8, 1/8, 3/8) = 0.1531 + 0.6247
+    assert (s["h_next"], s["h_next_end"]) == (0.424, 0.778)
+    m = s["markov"]  # fit and tested on the same file
+    assert (m["pairs"], m["calls"], m["unseen"]) == (15, 18, 0)
+    # predicts CPO->CEO, CEO->P, P->R, R->P, T->P: wrong only on CPO->P and P->T -> 13 / 15;
+    # with END, P->R is still the most frequent (4 of 8): wrong also on the 3 P->END -> 13 / 18
+    assert (m["top1"], m["top1_end"]) == (0.867, 0.722)
+    assert m["same"] == 0.0  # no role follows itself
+    assert m["top"] == 0.533  # P is the most frequent next role: 8 of 15 pairs
+    assert "- workflows 3, calls 18, consecutive agent pairs 15" in format_stats(s)
+
+
+def test_bfcl_fixture_counted_by_hand():
+    # prompts grow: call k of a workflow = 3 shared system blocks + task + k history blocks
+    t = read_trace(DATA / "bfcl-mini.jsonl")
+    s = trace_stats(t, heldout=t)
+    assert (s["workflows"], s["calls"], s["pairs"]) == (3, 14, 11)
+    assert s["agent_calls"][0] == ["responder", 6]
+    assert s["input_length"]["max"] == 8 * 16  # step 4: 4 + 4 blocks
+    # blocks: 4n + n(n-1)/2 per workflow of n calls: 30 + 30 + 22 = 82; within a workflow call k > 0
+    # hits all 3 + k blocks of call k-1: 22 + 22 + 15 = 59; globally the first calls of bfcl-2 and
+    # bfcl-3 also hit the 3 system blocks: 65
+    assert (s["reuse_within_workflow"], s["reuse_global"]) == (round(59 / 82, 3), round(65 / 82, 3))
+    assert s["markov"]["same"] == round(2 / 11, 3)  # GorillaFileSystem and VehicleControlAPI repeat once
+
+
+def test_dialogue_fixture_counted_by_hand():
+    # one agent; call k = 2 system blocks + k + 1 turns; workflows of 4, 3 and 2 calls
+    t = read_trace(DATA / "dialogue-mini.jsonl")
+    s = trace_stats(t, heldout=t)
+    assert (s["workflows"], s["calls"], s["agents"], s["pairs"]) == (3, 9, 1, 6)
+    # blocks 18 + 12 + 7 = 37; within: call k > 0 hits the 2 + k blocks of call k-1: 12 + 7 + 3 = 22;
+    # globally the first calls of dlg-2 and dlg-3 also hit the 2 system blocks: 26
+    assert (s["reuse_within_workflow"], s["reuse_global"]) == (0.595, 0.703)
+    assert s["h_next"] == 0.0 and s["h_next_end"] == 0.918  # H(6/9, 3/9): next is the agent or END
     m = s["markov"]
-    assert m["unseen"] == 0 and 0.4 < m["top1"] < 0.9 and 0.4 < m["top1_end"] < 0.9
-    assert m["same"] < m["top1"] and m["top"] <= m["top1"]
-    assert not math.isnan(m["top1"])
-    assert s["calls_per_workflow"]["median"] <= s["calls_per_workflow"]["p90"] <= 50
-    assert "- workflows" in format_stats(s)
+    assert (m["top1"], m["same"], m["top"]) == (1.0, 1.0, 1.0)
+    assert m["top1_end"] == 0.667  # always predicts the agent (6 of 9), never END

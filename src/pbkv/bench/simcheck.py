@@ -76,7 +76,7 @@ def table(rows: list[dict], title: str) -> Table:
 
 
 def verdict(rows: list[dict], tolerance: float = 0.15) -> list[str]:
-    """The issue's acceptance test, spelled out: do both engines rank the policies the same (by
+    """The simulator's check against the real engine (docs/benchmarks.md, `pbkv simcheck`): do both engines rank the policies the same (by
     mean workflow latency, and by recomputed tokens), and does each policy's speedup over LRU
     agree within `tolerance` (|real / sim - 1|)? Lines to print; each says PASS or FAIL."""
     lines = []

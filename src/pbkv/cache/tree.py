@@ -1,6 +1,6 @@
 """Radix tree over chained token blocks: match, insert, split, lock, tags. No capacities, no policy.
 
-Block ids are chained (TRACE_FORMAT.md): the id at position i names the content of blocks 0..i,
+Block ids are chained (docs/trace-format.md): the id at position i names the content of blocks 0..i,
 so an id occurs at one position only and `index[id]` finds its node directly. Because only
 nodes without children are ever removed, the blocks present in the tree are closed under
 prefixes: if `hash_ids[i]` is present, so are `hash_ids[:i]`. `match` therefore binary-searches

@@ -1,6 +1,6 @@
 """PBKV's conservative prefetch: load ahead only into space nobody needs.
 
-Rules (DESIGN.md):
+Rules (docs/design.md, "Prefetch"):
 - space: free device tokens + tokens of retired device nodes (dead cache); a prefetch never
   evicts a node some active workflow may still use;
 - timing: only while the engine runs decode-only batches (the engine calls `prefetch` then);

@@ -1,6 +1,6 @@
 """KVFlow (arXiv 2507.07400): workflow-aware eviction by steps-to-execution, plus prefetch.
 
-Rules, as in DESIGN.md and the KVFlow paper/repo:
+Rules, as in the KVFlow paper/repo (summarised in docs/design.md):
 - a node used by two or more workflows is part of a *fixed* prompt; every other node is a
   workflow's *dynamic suffix* and is evicted first (LRU among suffixes);
 - a fixed node's value is the minimum, over the agents that used it and over every active

@@ -5,7 +5,7 @@
     worker.py    the engine thread (FCFS queue, batching)    backend.py   step-wise adapter of HFEngine
     workflows.py hints -> workflow runs, idle timeouts       tokenizer.py byte / HF tokenizers, stops
     metrics.py   Prometheus text                             gauges.py    engine snapshot for /metrics
-    recorder.py  --record: TRACE_FORMAT v1 files             learning.py  policy, predictor, online learning
+    recorder.py  --record: trace format v1 files             learning.py  policy, predictor, online learning
     server.py    ServeConfig, run(), ServerThread            bench.py     serve-bench figures
 
 Needs the `serve` extra (fastapi, uvicorn): `pip install 'pbkv[serve]'`.

@@ -1,4 +1,4 @@
-"""`--record DIR`: served calls written as TRACE_FORMAT v1 traces, in rotating files.
+"""`--record DIR`: served calls written as v1 traces (docs/trace-format.md), in rotating files.
 
 Each file is a complete, valid trace (`pbkv.trace.read_trace` accepts it): the metadata line, then
 whole workflow runs, each written at once when the run ends, its calls in step order (steps
@@ -7,7 +7,7 @@ closed and the next begun after `rotate_calls` calls, so `pbkv train --trace DIR
 finished files while the server keeps recording.
 
 Block ids come from the prompt's token ids (`pbkv.engine.hf.tokens.block_hashes`: chained, as
-TRACE_FORMAT requires). File names are `calls-<session>-<n>.jsonl`, made only from the server's
+docs/trace-format.md requires). File names are `calls-<session>-<n>.jsonl`, made only from the server's
 own session id and a counter: nothing a client sends ever reaches a path. Workflow ids written are
 the server's `record_id`s, so two runs under one client id never collide in a file.
 """

@@ -1,4 +1,4 @@
-"""One LLM call of a workflow, and a whole trace (TRACE_FORMAT.md, version 1).
+"""One LLM call of a workflow, and a whole trace (trace format v1: docs/trace-format.md).
 
 Invariants of a `Trace` built by `pbkv.trace.io.read_trace` (or checked by `validate`):
 - every call has `len(hash_ids) == ceil(input_length / block_size)`;

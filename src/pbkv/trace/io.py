@@ -1,4 +1,4 @@
-"""Read, validate and write TRACE_FORMAT v1 files (`.jsonl` or `.jsonl.gz`).
+"""Read, validate and write trace format v1 files (docs/trace-format.md) (`.jsonl` or `.jsonl.gz`).
 
 Every rule of the format is checked; a bad line raises `TraceError` naming the file, the line,
 the field and the value. Nothing is skipped silently (blank lines carry no call and are allowed).
@@ -22,7 +22,7 @@ META_FIELDS = ("block_size", "source", "license", "notes")
 
 
 class TraceError(ValueError):
-    """A trace violates TRACE_FORMAT v1. The message names file, line, field and value."""
+    """A trace violates trace format v1. The message names file, line, field and value."""
 
 
 @contextmanager

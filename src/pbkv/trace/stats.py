@@ -1,4 +1,4 @@
-"""Per-workload statistics of a trace, with the definitions of /work/shared/traces/STATS.md.
+"""Per-workload statistics of a trace, as defined in docs/trace-format.md ("Statistics").
 
 `trace_stats(trace, heldout=None)` computes, for one `Trace`:
 - workflows, calls, distinct agents, calls per agent (count desc, then name), consecutive agent
@@ -8,7 +8,7 @@
 - H(next agent | current agent) in bits, without and with end-of-workflow as a next value;
 - with a `heldout` trace: Markov top-1 next-agent accuracy (fit on `trace`, scored on `heldout`),
   its end-of-workflow variant, and the `same` / `top` baselines.
-`format_stats(stats)` renders that dict as plain-text lines like STATS.md's per-workload section.
+`format_stats(stats)` renders that dict as plain-text lines, one '- ' line per figure.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _r3(x: float | None) -> float | None:
 
 
 def ordered_workflows(trace: Trace) -> list[list[Call]]:
-    """Workflows sorted by workflow_id, each in step order (the 'file order' of STATS.md)."""
+    """Workflows sorted by workflow_id, each in step order (the 'file order' of the reuse figures)."""
     wfs = trace.workflows()
     return [wfs[k] for k in sorted(wfs)]
 
@@ -177,7 +177,7 @@ def _f3(x: float | None) -> str:
 
 
 def _acc(x: float | None) -> str:
-    """Accuracy as in STATS.md: 3 decimals without trailing zeros (1.000 -> 1)."""
+    """Accuracy as printed: 3 decimals without trailing zeros (1.000 -> 1)."""
     return "n/a" if x is None else f"{x:.3f}".rstrip("0").rstrip(".")
 
 
@@ -194,7 +194,7 @@ def _markov_line(m: dict) -> str:
 
 
 def format_stats(stats: dict) -> str:
-    """Plain-text report of a `trace_stats` dict, one '- ' line per figure as in STATS.md."""
+    """Plain-text report of a `trace_stats` dict, one '- ' line per figure."""
     agents = ", ".join(f"{a} ({n})" for a, n in stats["agent_calls"])
     lines = [
         f"## {stats['workload'] or stats['path'] or 'trace'}",

@@ -1,4 +1,4 @@
-"""Generate a trace (TRACE_FORMAT v1) from a `WorkflowSpec`: seeded, deterministic, fast.
+"""Generate a trace (format v1, docs/trace-format.md) from a `WorkflowSpec`: seeded, deterministic, fast.
 
 Prompt layout of every call: [preamble][agent prompt][task statement][history visible to the agent].
 History items are each earlier call's output (owned by that call's agent) and each tool result
@@ -7,7 +7,7 @@ History items are each earlier call's output (owned by that call's agent) and ea
 - agents diverge right after the preamble (their own fixed prompts come first);
 - the [preamble][agent prompt] blocks are the same in every workflow (cross-workflow reuse).
 
-Hash ids (TRACE_FORMAT chaining): a block's content is the (segment, start, end) pieces it covers and
+Hash ids (chained, docs/trace-format.md): a block's content is the (segment, start, end) pieces it covers and
 its id is interned on (parent id, content), numbered 0, 1, 2, ... in order of first appearance in
 the trace. Only [preamble][agent prompt] blocks are shared, so only they go through an intern table.
 Every other block contains workflow-private tokens and belongs to exactly one (workflow, agent)

@@ -1,4 +1,4 @@
-"""Prompts as real token ids (TRACE_FORMAT.md, "Turning a trace into real tokens"), and back.
+"""Prompts as real token ids (docs/trace-format.md, "Turning a trace into real tokens"), and back.
 
 - `TokenMapper`: block id -> `block_size` token ids drawn from a generator seeded by the id (the
   last block of a prompt cut to the remaining length). Equal ids give equal tokens, and a cut
