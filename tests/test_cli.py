@@ -90,7 +90,7 @@ def test_errors_are_clear_and_exit_2(tmp_path):
     assert r.exit_code == 2 and "nosuch" in r.output
     for cmd in ("sim", "policy"):
         r = invoke("perf", cmd, "--policy", "pbkv", "--workflows", 3)
-        assert r.exit_code == 2 and "pbkv needs a predictor: pass --model DIR" in r.output
+        assert r.exit_code == 2 and "pbkv needs a predictor: pass --predictor DIR" in r.output
 
 
 def test_trace_stats_on_real_trace_with_heldout():

@@ -17,7 +17,7 @@ W2 = ([[0, 1, 0, 0], [1, 0, 0, 0]], [0.5, 0.5])
 
 def make(table, horizon=2, gamma=0.5, device=100, host=0, policy="pbkv"):
     pred = FakePredictor(["a", "b", "c"], horizon, table)
-    ctx = PolicyContext(block_size=BLOCK, predictors={"fused": pred}, options={"gamma": gamma})
+    ctx = PolicyContext(block_size=BLOCK, predictors={"fused": pred}, gamma=gamma)
     cache, pol = make_cache(device * BLOCK, host * BLOCK, policy=policy, ctx=ctx)
     return cache, pol, pred
 
