@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from helpers import BLOCK, FakePredictor, ids, make_cache, put
-from pbkv.cache import Tier
+from pbkv.cache import CacheConfig, Tier
 from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest
 from test_policies import eviction_order, labels
 
@@ -210,5 +210,5 @@ def test_perfect_predictor_and_policy_read_the_replayed_future():
     assert list(last.survival) == [0.0, 0.0]
     assert needs_future("pbkv-perfect") and needed_predictor("pbkv-perfect") is None
     record = simulate(wl, RunConfig(policy="pbkv-perfect", concurrency=4, profile=load_profile("a6000-qwen3-32b"),
-                                    device_tokens=20000, host_tokens=0))
+                                    cache=CacheConfig(device_tokens=20000, host_tokens=0)))
     assert record["calls"] == sum(map(len, wl.workflows)) and record["monitor_top1"] == 1.0
