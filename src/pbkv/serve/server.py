@@ -28,6 +28,9 @@ SERVE_CAPACITY = CapacityDefaults(16384, host_ratio=2, disk_ratio=4)  # tokens w
 
 @dataclass
 class ServeConfig:
+    """Everything `pbkv serve` takes; the one home of its defaults (the app reads its limits
+    from here: `ServerState.config`)."""
+
     model: str = "tiny"                  # tiny | smollm2 | a local model directory
     policy: str = "pbkv"
     host: str = "127.0.0.1"
