@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from pbkv.cache import CacheConfig  # noqa: E402
 from pbkv.serve import ServeConfig, ServerThread  # noqa: E402
 
 
@@ -24,7 +25,7 @@ class FakeClock:
 
 
 def start_server(**overrides) -> ServerThread:
-    cfg = dict(model="tiny", port=0, threads=1, device_tokens=8192, max_tokens_limit=1024,
+    cfg = dict(model="tiny", port=0, threads=1, cache=CacheConfig(device_tokens=8192), max_tokens_limit=1024,
                default_max_tokens=8, max_body_bytes=64 * 1024, idle_timeout=60.0)
     cfg.update(overrides)
     return ServerThread(ServeConfig(**cfg)).start()

@@ -149,7 +149,7 @@ def test_wrong_method_and_client_side_errors(srv, client):
 
 
 def test_api_key(srv):
-    srv.state.api_key = "sekret"
+    srv.state.config.api_key = "sekret"
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sekret"}):
             r = httpx.get(srv.url + "/v1/models", headers=headers)
@@ -160,7 +160,7 @@ def test_api_key(srv):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
-        srv.state.api_key = None
+        srv.state.config.api_key = None
 
 
 def test_disconnect_mid_stream_frees_resources(srv):

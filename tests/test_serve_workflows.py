@@ -1,6 +1,6 @@
 """Workflow hints on the real server: what the policy hears and in which order, ending by
 `workflow_done`, by the end endpoint and by idling (injected clock), the recorded traces, and
-online learning saved to / loaded from `--model-dir`."""
+online learning saved to / loaded from `--predictor`."""
 
 import httpx
 import openai
@@ -118,7 +118,7 @@ def test_recorded_traces_are_valid_and_match_the_prompts(srv, client):
 def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path):  # noqa: F811
     from pbkv.predict.predictor import NeuralPredictor
     model_dir = tmp_path / "predictor"
-    srv = start_server(policy="pbkv", model_dir=str(model_dir), learn_every=4, learn_steps=40)
+    srv = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
     try:
         assert not srv.state.setup.loaded
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -129,7 +129,7 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
     finally:
         srv.stop()
     assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
-    again = start_server(policy="pbkv", model_dir=str(model_dir))
+    again = start_server(policy="pbkv", predictor_dir=str(model_dir))
     try:
         setup = again.state.setup
         assert setup.loaded and isinstance(setup.policy.predictor, NeuralPredictor)

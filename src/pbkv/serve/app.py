@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI
 from pydantic import ValidationError
@@ -30,6 +30,9 @@ from pbkv.serve.metrics import CONTENT_TYPE, Metrics
 from pbkv.serve.tokenizer import Tokenizer
 from pbkv.serve.worker import EngineWorker
 
+if TYPE_CHECKING:  # server.py builds the state and imports this module
+    from pbkv.serve.server import ServeConfig
+
 log = logging.getLogger("pbkv.serve")
 ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
 
@@ -44,11 +47,7 @@ class ServerState:
     worker: EngineWorker
     metrics: Metrics
     max_context: int
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-    max_tokens_limit: int = 1024
-    default_max_tokens: int = 256
-    max_queue: int = 1024
+    config: ServeConfig                   # the limits: api_key, max_body_bytes, max_tokens_limit, ...
     created: int = field(default_factory=lambda: int(time.time()))
     setup: object = None                  # learning.PolicySetup (policy, learner, model dir)
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
@@ -120,20 +119,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_api_key(request, state.api_key)
+        check_api_key(request, state.config.api_key)
         return schemas.models_response(state.model_name, state.created)
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        check_api_key(request, state.api_key)
+        check_api_key(request, state.config.api_key)
         snapshot = await asyncio.wrap_future(state.worker.call(
             lambda: engine_snapshot(state.worker, state.metrics)))
         return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE)
 
     async def _parse(request: Request, schema):
         """Auth, size limit, JSON, then the schema: each failure is an OpenAI-style 4xx."""
-        check_api_key(request, state.api_key)
-        data = await read_json(request, state.max_body_bytes)
+        check_api_key(request, state.config.api_key)
+        data = await read_json(request, state.config.max_body_bytes)
         try:
             return schema.model_validate(data)
         except ValidationError as e:
@@ -166,7 +165,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/workflows/{workflow_id}/end")
     async def end_workflow(request: Request, workflow_id: str):
-        check_api_key(request, state.api_key)
+        check_api_key(request, state.config.api_key)
         if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
             raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
         found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))

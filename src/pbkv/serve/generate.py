@@ -47,9 +47,10 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
     if not prompt_ids:
         raise bad_request("The prompt is empty.", param, "invalid_value")
     wanted = body.wanted_tokens()
-    max_tokens = state.default_max_tokens if wanted is None else wanted
-    if max_tokens > state.max_tokens_limit:
-        raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {state.max_tokens_limit}.",
+    limits = state.config
+    max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit) if wanted is None else wanted
+    if max_tokens > limits.max_tokens_limit:
+        raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}.",
                           "max_tokens", "invalid_value")
     limit = state.max_context
     if len(prompt_ids) + max_tokens > limit:
@@ -57,7 +58,7 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
                           f"for the completion). Please reduce the prompt or max_tokens.", param,
                           "context_length_exceeded")
-    if state.worker.in_flight >= state.max_queue:
+    if state.worker.in_flight >= limits.max_queue:
         raise overloaded(state.worker.in_flight)
     sampling = Sampling(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                         ignore_eos=body.ignore_eos)   # EOS ids: the engine's (the tokenizer's)
