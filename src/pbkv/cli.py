@@ -261,6 +261,48 @@ def trace_flatten_cmd(
     console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
 
 
+@trace_app.command("import")
+def trace_import_cmd(
+    file: Path = typer.Argument(..., help="Trace in a foreign format (.jsonl or .jsonl.gz)."),
+    fmt: str = typer.Option(..., "--from", help="mooncake, bailian or agentic-mooncake."),
+    output: Path = typer.Option(..., "-o", "--output", help="pbkv trace to write."),
+    limit: Optional[int] = typer.Option(None, min=1, help="Read only the first N rows."),
+    block_size: Optional[int] = typer.Option(None, min=1, help="Tokens per block id in the output (default: the source's)."),
+    source_block_size: Optional[int] = typer.Option(None, min=1, help="Tokens per id in FILE (default: mooncake 512, bailian 16; required for agentic-mooncake)."),
+):
+    """Convert a Mooncake, Qwen-Bailian or Dynamo agentic-mooncake trace to TRACE_FORMAT v1."""
+    from pbkv.trace import TraceError
+    from pbkv.trace.formats import import_file
+
+    try:
+        trace, report = import_file(fmt, file, output, limit=limit, block_size=block_size,
+                                    source_block_size=source_block_size)
+    except TraceError as e:
+        _fail(str(e))
+    console.print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+@trace_app.command("export")
+def trace_export_cmd(
+    file: Path = typer.Argument(..., help="pbkv trace (TRACE_FORMAT v1)."),
+    fmt: str = typer.Option(..., "--to", help="agentic-mooncake."),
+    output: Path = typer.Option(..., "-o", "--output", help="File to write (.jsonl or .jsonl.gz)."),
+):
+    """Write a pbkv trace in a format other replay tools read (Dynamo's agentic-mooncake)."""
+    from pbkv.trace import TraceError
+    from pbkv.trace.formats import export_file
+
+    try:
+        report = export_file(fmt, file, output)
+    except TraceError as e:
+        _fail(str(e))
+    console.print(report.summary(output))
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
 @perf_app.command("sim")
 def perf_sim(
     workload: str = typer.Option("hover", help="Built-in workload."),

@@ -1,0 +1,49 @@
+"""Turn a foreign trace's block ids into chained pbkv ids, at the block size the replay wants.
+
+Foreign ids (Mooncake, Qwen-Bailian, Dynamo) name the content of one block of `source` tokens;
+whether an id also implies the blocks before it differs between traces. pbkv's format needs
+chained ids (`hash_ids[i]` names blocks 0..i), so ids are first chained by the whole prefix:
+a chain id stands for the tuple `raw[0..i]`. Two prompts share chain id `i` exactly when their
+raw ids agree at every position up to `i`, which is what prefix caching can reuse.
+
+Output block `j` covers tokens `[j*B, min((j+1)*B, L))`. It is named by the chain id of the
+source block holding its last token, its index `j` and its token count (the last block may be
+partial). Hence two prompts get the same output id at `j` exactly when every source block that
+output block touches is shared, i.e. the sharing the source ids prove:
+
+- B == S, or B divides S (split), or S divides B (merge): block-exact, nothing lost or invented;
+- sizes that do not divide: an output block that crosses from a shared source block into the
+  first differing one counts as not shared (its first tokens may truly be shared, but the source
+  ids cannot tell), so sharing is a lower bound, short by at most one output block per prompt.
+
+Ids are numbered 0, 1, 2, ... in order of first appearance, so the output is stable.
+"""
+
+from __future__ import annotations
+
+
+class Rechainer:
+    """Maps raw ids of `source`-token blocks to chained ids of `block_size`-token blocks.
+
+    Invariant: an output id fixes its position, its token count and its predecessor (it is chained
+    in the sense of TRACE_FORMAT.md), and equal output ids mean equal raw-id prefixes."""
+
+    def __init__(self, source: int, block_size: int):
+        if source < 1 or block_size < 1:
+            raise ValueError(f"block sizes must be >= 1, got source {source} and target {block_size}")
+        self.source, self.block_size = source, block_size
+        self._chain: dict[tuple[int, int], int] = {}  # (parent chain id, raw id) -> chain id
+        self._ids: dict[tuple[int, int, int], int] = {}  # (chain id, block index, tokens) -> output id
+
+    def convert(self, raw: list[int], input_length: int) -> list[int]:
+        """Output ids for one prompt; `raw` must hold `ceil(input_length / source)` ids."""
+        chained, parent = [], -1
+        for h in raw:
+            parent = self._chain.setdefault((parent, h), len(self._chain))
+            chained.append(parent)
+        out = []
+        for j in range(-(-input_length // self.block_size)):
+            end = min((j + 1) * self.block_size, input_length)
+            key = (chained[(end - 1) // self.source], j, end - j * self.block_size)
+            out.append(self._ids.setdefault(key, len(self._ids)))
+        return out
