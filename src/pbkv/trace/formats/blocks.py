@@ -7,9 +7,12 @@ a chain id stands for the tuple `raw[0..i]`. Two prompts share chain id `i` exac
 raw ids agree at every position up to `i`, which is what prefix caching can reuse.
 
 Output block `j` covers tokens `[j*B, min((j+1)*B, L))`. It is named by the chain id of the
-source block holding its last token, its index `j` and its token count (the last block may be
-partial). Hence two prompts get the same output id at `j` exactly when every source block that
-output block touches is shared, i.e. the sharing the source ids prove:
+source block holding its last token and its index `j`. Hence two prompts get the same output id
+at `j` exactly when every source block that output block touches is shared, i.e. the sharing the
+source ids prove. As in the source traces and TRACE_FORMAT.md, a partial last block carries the
+id of the full block it is a prefix of, except when merging: a last output block that ends
+inside a group of source blocks is named by the group's last present block, so it gets an id of
+its own.
 
 - B == S, or B divides S (split), or S divides B (merge): block-exact, nothing lost or invented;
 - sizes that do not divide: an output block that crosses from a shared source block into the
@@ -25,15 +28,15 @@ from __future__ import annotations
 class Rechainer:
     """Maps raw ids of `source`-token blocks to chained ids of `block_size`-token blocks.
 
-    Invariant: an output id fixes its position, its token count and its predecessor (it is chained
-    in the sense of TRACE_FORMAT.md), and equal output ids mean equal raw-id prefixes."""
+    Invariant: an output id fixes its position and its predecessor (it is chained in the sense of
+    TRACE_FORMAT.md), and equal output ids mean equal raw-id prefixes."""
 
     def __init__(self, source: int, block_size: int):
         if source < 1 or block_size < 1:
             raise ValueError(f"block sizes must be >= 1, got source {source} and target {block_size}")
         self.source, self.block_size = source, block_size
         self._chain: dict[tuple[int, int], int] = {}  # (parent chain id, raw id) -> chain id
-        self._ids: dict[tuple[int, int, int], int] = {}  # (chain id, block index, tokens) -> output id
+        self._ids: dict[tuple[int, int], int] = {}  # (chain id, block index) -> output id
 
     def convert(self, raw: list[int], input_length: int) -> list[int]:
         """Output ids for one prompt; `raw` must hold `ceil(input_length / source)` ids."""
@@ -44,6 +47,6 @@ class Rechainer:
         out = []
         for j in range(-(-input_length // self.block_size)):
             end = min((j + 1) * self.block_size, input_length)
-            key = (chained[(end - 1) // self.source], j, end - j * self.block_size)
+            key = (chained[(end - 1) // self.source], j)
             out.append(self._ids.setdefault(key, len(self._ids)))
         return out
