@@ -19,7 +19,9 @@ its own.
   first differing one counts as not shared (its first tokens may truly be shared, but the source
   ids cannot tell), so sharing is a lower bound, short by at most one output block per prompt.
 
-Ids are numbered 0, 1, 2, ... in order of first appearance, so the output is stable.
+Chain ids are numbered 0, 1, 2, ... in order of first appearance; an output id is computed from
+its chain id and position (no table of output ids, so converting to small blocks stays cheap in
+memory; the ids are then sparse), so the output is the same on every run.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class Rechainer:
             raise ValueError(f"block sizes must be >= 1, got source {source} and target {block_size}")
         self.source, self.block_size = source, block_size
         self._chain: dict[tuple[int, int], int] = {}  # (parent chain id, raw id) -> chain id
-        self._ids: dict[tuple[int, int], int] = {}  # (chain id, block index) -> output id
+        # output blocks whose last token lies in one source block: at most this many
+        self._span = (source - 1) // block_size + 2
 
     def convert(self, raw: list[int], input_length: int) -> list[int]:
         """Output ids for one prompt; `raw` must hold `ceil(input_length / source)` ids."""
@@ -44,9 +47,11 @@ class Rechainer:
         for h in raw:
             parent = self._chain.setdefault((parent, h), len(self._chain))
             chained.append(parent)
-        out = []
-        for j in range(-(-input_length // self.block_size)):
-            end = min((j + 1) * self.block_size, input_length)
-            key = (chained[(end - 1) // self.source], j)
-            out.append(self._ids.setdefault(key, len(self._ids)))
-        return out
+        if self.source == self.block_size:  # block j is chain id j itself
+            return chained
+        source, size, span = self.source, self.block_size, self._span
+        n = -(-input_length // size)
+        # block j of a full size ends in source block i = ((j+1)*size - 1) // source; the last may be partial.
+        # (chain id of i, j) as one int: chain id fixes i, and j - (first j ending in block i) < span
+        ends = [((j + 1) * size - 1) // source for j in range(n - 1)] + [(input_length - 1) // source]
+        return [chained[i] * span + j - i * source // size for j, i in enumerate(ends)]
