@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
+from pbkv.cache import RadixTree, Tier
 from pbkv.cli import app
 from pbkv.trace import Call, Trace, TraceError, TraceMeta, read_trace, validate, write_trace
 from pbkv.trace.formats import FORMATS, Rechainer, export_file, import_file, import_trace
@@ -33,8 +34,9 @@ def test_mooncake_rows_become_one_call_workflows():
     assert [(c.workflow_id, c.step, c.agent, c.t, c.done) for c in trace.calls] == [
         ("mooncake-1", 0, "chat", 0.0, True), ("mooncake-2", 0, "chat", 0.0, True),
         ("mooncake-4", 0, "chat", 2.5, True), ("mooncake-5", 0, "chat", 4.0, True)]
-    # raw [0,1,2] [0,1,3] [0] [4,1,2,5,6]: ids re-chained by prefix, so the 1 and 2 of line 5 are new
-    assert [c.hash_ids for c in trace.calls] == [[0, 1, 2], [0, 1, 3], [0], [4, 5, 6, 7, 8]]
+    # raw [0,1,2] [0,1,3] [0] [4,1,2,5,6]: ids re-chained by prefix, so the 1 and 2 of line 5 are new;
+    # line 4's only block is partial (300 tokens), so it is not line 1's full block 0
+    assert canonical(trace.calls) == [[0, 1, 2], [0, 1, 3], [4], [5, 6, 7, 8, 9]]
     assert [(c.input_length, c.output_length) for c in trace.calls] == [(1200, 40), (1500, 12), (300, 7), (2100, 90)]
 
 
@@ -47,7 +49,7 @@ def test_bailian_sessions_from_parent_links_turn_then_timestamp():
         (0, "text", 0.5), (1, "text", 3.0), (2, "text", 5.5), (3, "file", 6.0)]
     assert [c.done for c in wfs["bailian-10"]] == [False, False, False, True]
     assert [(e.src, e.dst, e.kind) for e in report.dropped_edges] == [("12", "13", "branch")]
-    assert any("1 chats name a parent that is not in the file" in n for n in report.notes)
+    assert any("1 chat(s) name a parent that is not in the file" in n for n in report.notes)
     assert wfs["bailian-15"][0].agent == "image" and trace.meta.extra["dropped_edges"] == {"branch": 1}
 
 
@@ -209,12 +211,12 @@ def test_rechained_ids_are_chained_and_share_exactly_what_the_source_proves(sour
     outs = [chain.convert(raw, length) for raw, length in prompts]
     validate(Trace(TraceMeta(block_size=block),
                    [Call(f"w{i}", 0, "a", length, 1, out) for i, ((_, length), out) in enumerate(zip(prompts, outs))]))
-    last = lambda j, length: (min((j + 1) * block, length) - 1) // source  # source block of block j's last token
+    end = lambda j, length: min((j + 1) * block, length)  # one past block j's last token
     for (rx, lx), ox in zip(prompts, outs):
         for (ry, ly), oy in zip(prompts, outs):
             for j in range(min(len(ox), len(oy))):
-                sx, sy = last(j, lx), last(j, ly)
-                assert (ox[j] == oy[j]) == (sx == sy and rx[:sx + 1] == ry[:sy + 1])
+                s = (end(j, lx) - 1) // source  # the source block holding block j's last token
+                assert (ox[j] == oy[j]) == (end(j, lx) == end(j, ly) and rx[:s + 1] == ry[:s + 1])
 
 
 def test_agentic_import_export_import_is_identical(tmp_path):
@@ -223,9 +225,9 @@ def test_agentic_import_export_import_is_identical(tmp_path):
     second, report = import_trace("agentic-mooncake", tmp_path / "b.jsonl", source_block_size=32)
     # the spawn/join edges were reported by the first import; pbkv's trace (and so the export) no longer has them
     assert not report.dropped_edges
-    key = lambda c: (c.workflow_id, c.step, c.agent, c.workload, c.t, c.input_length, c.output_length, c.hash_ids,
-                     c.done, c.extra)
+    key = lambda c: (c.workflow_id, c.step, c.agent, c.workload, c.t, c.input_length, c.output_length, c.done, c.extra)
     assert [key(c) for c in second.calls] == [key(c) for c in first.calls]
+    assert canonical(second.calls) == canonical(first.calls)  # ids renumbered, sharing the same
     assert [c.tool_wait or 0 for c in second.calls] == pytest.approx([c.tool_wait or 0 for c in first.calls])
 
 
@@ -235,3 +237,14 @@ def test_agentic_row_without_session_is_its_own_workflow(tmp_path):
                                 "hash_ids": [3]}) + "\n")
     trace, _ = import_trace("agentic-mooncake", path, source_block_size=16)
     assert [(c.workflow_id, c.agent, c.t, c.done) for c in trace.calls] == [("solo", "main", 0.005, True)]
+
+
+@pytest.mark.parametrize("fmt, options", [("mooncake", {"block_size": 256}), ("bailian", {}),
+                                          ("bailian", {"block_size": 32}),
+                                          ("agentic-mooncake", {"source_block_size": 32, "block_size": 8})])
+def test_imported_prompts_fit_the_radix_tree(fmt, options):
+    # a partial last block must never reappear as a full block of a longer prompt: the tree cannot extend it
+    trace, _ = import_trace(fmt, DATA / f"{fmt.split('-')[0]}.jsonl", **options)
+    tree = RadixTree(trace.block_size)
+    for i, call in enumerate(trace.calls):
+        tree.insert(call.hash_ids, call.block_tokens(trace.block_size)[-1], Tier.DEVICE, float(i))

@@ -75,7 +75,7 @@ def _roots(chats: dict[int, tuple[Row, int, Call]], report: ImportReport) -> dic
         for c in path:
             roots[c] = roots[chat]
     if orphans:
-        report.notes.append(f"{orphans} chats name a parent that is not in the file (outside the trace "
+        report.notes.append(f"{orphans} chat(s) name a parent that is not in the file (outside the trace "
                             f"window or cut by --limit): each starts its own workflow")
     return roots
 

@@ -124,7 +124,8 @@ class ImportReport:
                 f"(block size {self.source_block_size} -> {self.block_size})")
         if self.dropped_edges:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.edge_counts().items()))
-            text += f"; {len(self.dropped_edges)} DAG edges not expressible as workflow steps ({kinds})"
+            n = len(self.dropped_edges)
+            text += f"; {n} DAG edge{'s' if n != 1 else ''} not expressible as workflow steps ({kinds})"
         return text
 
 

@@ -7,21 +7,20 @@ a chain id stands for the tuple `raw[0..i]`. Two prompts share chain id `i` exac
 raw ids agree at every position up to `i`, which is what prefix caching can reuse.
 
 Output block `j` covers tokens `[j*B, min((j+1)*B, L))`. It is named by the chain id of the
-source block holding its last token and its index `j`. Hence two prompts get the same output id
-at `j` exactly when every source block that output block touches is shared, i.e. the sharing the
-source ids prove. As in the source traces and TRACE_FORMAT.md, a partial last block carries the
-id of the full block it is a prefix of, except when merging: a last output block that ends
-inside a group of source blocks is named by the group's last present block, so it gets an id of
-its own.
+source block holding its last token, its index `j` and its token count. Hence two prompts get the
+same output id at `j` exactly when every source block that output block touches is shared and
+the block holds as many tokens in both, i.e. the sharing the source ids prove. A partial last
+block so never shares an id with a full one: their contents differ (as a real hash of a partial
+block differs from the full block's), and pbkv's cache cannot extend a partial block.
 
 - B == S, or B divides S (split), or S divides B (merge): block-exact, nothing lost or invented;
 - sizes that do not divide: an output block that crosses from a shared source block into the
   first differing one counts as not shared (its first tokens may truly be shared, but the source
   ids cannot tell), so sharing is a lower bound, short by at most one output block per prompt.
 
-Chain ids are numbered 0, 1, 2, ... in order of first appearance; an output id is computed from
-its chain id and position (no table of output ids, so converting to small blocks stays cheap in
-memory; the ids are then sparse), so the output is the same on every run.
+Chain ids are numbered 0, 1, 2, ... in order of first appearance, and an output id is computed
+from (chain id, position, token count) without a table of output ids, so converting to small
+blocks stays cheap in memory; the ids are sparse, and the same on every run.
 """
 
 from __future__ import annotations
@@ -47,11 +46,11 @@ class Rechainer:
         for h in raw:
             parent = self._chain.setdefault((parent, h), len(self._chain))
             chained.append(parent)
-        if self.source == self.block_size:  # block j is chain id j itself
-            return chained
         source, size, span = self.source, self.block_size, self._span
         n = -(-input_length // size)
-        # block j of a full size ends in source block i = ((j+1)*size - 1) // source; the last may be partial.
-        # (chain id of i, j) as one int: chain id fixes i, and j - (first j ending in block i) < span
+        # block j of a full size ends in source block i = ((j+1)*size - 1) // source; the last may be partial
         ends = [((j + 1) * size - 1) // source for j in range(n - 1)] + [(input_length - 1) // source]
-        return [chained[i] * span + j - i * source // size for j, i in enumerate(ends)]
+        tokens = [size] * (n - 1) + [input_length - (n - 1) * size]
+        # (chain id of i, j, tokens) as one int: the chain id fixes i, and j - (first j ending in block i) < span
+        return [((chained[i] * span + j - i * source // size) * size + t - 1)
+                for j, (i, t) in enumerate(zip(ends, tokens))]
