@@ -10,6 +10,8 @@ Sessions are rebuilt from the parent links: a root and all its descendants form 
 agent and `t` the timestamp. A chat whose parent is not in the file (outside the two-hour window,
 or cut by `--limit`) starts its own workflow. A parent with several children (a tree, not a chain)
 cannot be one sequence: every parent link that does not join consecutive steps is reported.
+The traces record no tool or think time between turns (only arrivals), so `tool_wait` is left
+out and `t` keeps each chat's arrival for open-loop replay.
 """
 
 from __future__ import annotations
