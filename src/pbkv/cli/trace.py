@@ -11,7 +11,7 @@ import typer
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, console, exit_on_error,
                              fail)
 
-trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split and flatten workflow traces.")
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
 
 
 def gen(
@@ -81,3 +81,41 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
         trace = flatten(read_trace(file))
     write_trace(trace, output)
     console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
+
+
+@trace_app.command("import")
+def trace_import_cmd(
+    file: Annotated[Path, typer.Argument(help="Trace in a foreign format (.jsonl or .jsonl.gz).")],
+    fmt: Annotated[str, typer.Option("--from", help="mooncake, bailian or agentic-mooncake.")],
+    output: OutputOpt,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Read only the first N rows.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        min=1, help="Tokens per block id in the output (default: the source's).")] = None,
+    source_block_size: Annotated[Optional[int], typer.Option(
+        min=1, help="Tokens per id in FILE (default: mooncake 512, bailian 16; required for agentic-mooncake).")] = None,
+):
+    """Convert a Mooncake, Qwen-Bailian or Dynamo agentic-mooncake trace to pbkv's format."""
+    from pbkv.trace.formats import import_file
+
+    with exit_on_error():
+        trace, report = import_file(fmt, file, output, limit=limit, block_size=block_size,
+                                    source_block_size=source_block_size)
+    console.print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+@trace_app.command("export")
+def trace_export_cmd(
+    file: TraceFileArg,
+    fmt: Annotated[str, typer.Option("--to", help="agentic-mooncake.")],
+    output: OutputOpt,
+):
+    """Write a pbkv trace in a format other replay tools read (Dynamo's agentic-mooncake)."""
+    from pbkv.trace.formats import export_file
+
+    with exit_on_error():
+        report = export_file(fmt, file, output)
+    console.print(report.summary(output))
+    for note in report.notes:
+        console.print(f"note: {note}")
