@@ -85,7 +85,7 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
 
 @trace_app.command("import")
 def trace_import_cmd(
-    file: Annotated[Path, typer.Argument(help="Trace in a foreign format (.jsonl or .jsonl.gz).")],
+    source: Annotated[Path, typer.Argument(help="Trace in a foreign format (.jsonl or .jsonl.gz).")],
     fmt: Annotated[str, typer.Option("--from", help="mooncake, bailian or agentic-mooncake.")],
     output: OutputOpt,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Read only the first N rows.")] = None,
@@ -98,7 +98,7 @@ def trace_import_cmd(
     from pbkv.trace.formats import import_file
 
     with exit_on_error():
-        trace, report = import_file(fmt, file, output, limit=limit, block_size=block_size,
+        trace, report = import_file(fmt, source, output, limit=limit, block_size=block_size,
                                     source_block_size=source_block_size)
     console.print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
     for note in report.notes:
