@@ -164,7 +164,7 @@ def test_api_key(srv):
 
 
 def test_disconnect_mid_stream_frees_resources(srv):
-    cancelled = watch_counter(srv, "pbkv_cancelled_requests_total")
+    cancelled = watch_counter(srv.state.metrics.cancelled)
     body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 1000, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
@@ -180,7 +180,7 @@ def test_disconnect_mid_stream_frees_resources(srv):
 
 
 def test_disconnect_while_waiting_for_a_plain_answer_cancels_it(srv):
-    cancelled = watch_counter(srv, "pbkv_cancelled_requests_total")
+    cancelled = watch_counter(srv.state.metrics.cancelled)
     body = {"model": "tiny", "prompt": "another long answer", "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection

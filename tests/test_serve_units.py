@@ -111,16 +111,21 @@ def test_request_shapes_accepted():
 
 
 def test_metrics_text():
+    from prometheus_client.core import GaugeMetricFamily
     m = Metrics()
-    m.inc("pbkv_requests_total", 1, {"endpoint": "/x", "status": "200"})
-    m.inc("pbkv_requests_total", 2, {"endpoint": "/x", "status": "200"})
-    m.observe("pbkv_request_latency_seconds", 0.2)
-    text = m.render([("pbkv_queue_depth", "gauge", "q", [({}, 3)])])
+    m.requests.labels(endpoint="/x", status="200").inc()
+    m.requests.labels(endpoint="/x", status="200").inc(2)
+    m.latency.observe(0.2)
+    m.served(10, 3, {"device": 4, "host": 1, "disk": 0}, 5, cancelled=True)
+    text = m.exposition([GaugeMetricFamily("pbkv_queue_depth", "q", value=3)]).decode()
     values = parse(text)
     assert values['pbkv_requests_total{endpoint="/x",status="200"}'] == 3
     assert values['pbkv_request_latency_seconds_bucket{le="0.25"}'] == 1
     assert values["pbkv_request_latency_seconds_count"] == 1 and values["pbkv_queue_depth"] == 3
-    assert "# TYPE pbkv_request_latency_seconds histogram" in text
+    assert values['pbkv_cache_hit_tokens_total{tier="device"}'] == 4 and values["pbkv_cancelled_requests_total"] == 1
+    assert "# TYPE pbkv_request_latency_seconds histogram" in text and "_created" not in text
+    assert m.hit_rates() == {"device": 0.4, "host": 0.1, "disk": 0.0}
+    assert Metrics().hit_rates() == {"device": 0.0, "host": 0.0, "disk": 0.0}   # one registry per server
 
 
 def test_recorder_writes_valid_rotating_traces(tmp_path):

@@ -4,7 +4,7 @@
     schemas.py   request/response bodies                     auth.py      API key, body limit, hints
     worker.py    the engine thread (FCFS queue, batching)    backend.py   step-wise adapter of HFEngine
     workflows.py hints -> workflow runs, idle timeouts       tokenizer.py byte / HF tokenizers, stops
-    metrics.py   Prometheus text                             gauges.py    engine snapshot for /metrics
+    metrics.py   prometheus_client registry                  gauges.py    engine snapshot for /metrics
     recorder.py  --record: TRACE_FORMAT v1 files             learning.py  policy, predictor, online learning
     server.py    ServeConfig, run(), ServerThread            bench.py     serve-bench figures
 

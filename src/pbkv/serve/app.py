@@ -76,7 +76,7 @@ class CountRequests:
             path = scope.get("path", "")
             if path not in ROUTES:
                 path = "/v1/workflows/{id}/end" if path.startswith("/v1/workflows/") else "other"
-            self.metrics.inc("pbkv_requests_total", 1, {"endpoint": path, "status": str(status[0])})
+            self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
 def _hints(request: Request) -> tuple[str | None, str | None]:
@@ -126,9 +126,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         check_api_key(request, state.api_key)
-        snapshot = await asyncio.wrap_future(state.worker.call(
-            lambda: engine_snapshot(state.worker, state.metrics)))
-        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE)
+        worker = state.worker
+        snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
+            worker.backend.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
+        return Response(state.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
 
     async def _parse(request: Request, schema):
         """Auth, size limit, JSON, then the schema: each failure is an OpenAI-style 4xx."""

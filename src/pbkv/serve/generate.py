@@ -126,8 +126,8 @@ def _finish(reason: str) -> str:
 
 def _observe(state, start: float, first: float | None) -> None:
     now = time.perf_counter()
-    state.metrics.observe("pbkv_request_latency_seconds", now - start)
-    state.metrics.observe("pbkv_time_to_first_token_seconds", (first or now) - start)
+    state.metrics.latency.observe(now - start)
+    state.metrics.first_token.observe((first or now) - start)
 
 
 def _sse(obj) -> str:

@@ -166,7 +166,7 @@ class EngineWorker:
         job, now = handle.job, self.clock()
         run, step, new = self.table.begin(key, self._agent(agent), now, done, job.context)
         if new:
-            self.metrics.inc("pbkv_workflows_started_total")
+            self.metrics.workflows_started.inc()
             self.backend.start_workflow(run.wf, run.record_id)
         job.workflow, job.record_id, job.step, job.agent = run.wf, run.record_id, step, run.agents[step]
         detok = Detokenizer(self.tok, stops)
@@ -201,14 +201,10 @@ class EngineWorker:
             raise
 
     def _account(self, req, job: Job) -> None:
-        m = self.metrics  # per-tier hits are the engine's own count, taken when it first served the call
-        m.inc("pbkv_prompt_tokens_total", req.call.input_length)
-        m.inc("pbkv_completion_tokens_total", len(job.tokens))
-        for tier, hit in (("device", req.device_hit), ("host", req.host_hit), ("disk", req.disk_hit)):
-            m.inc("pbkv_cache_hit_tokens_total", hit, {"tier": tier})
-        m.inc("pbkv_cache_recomputed_tokens_total", req.recomputed)
-        if job.stop_reason == CANCELLED:
-            m.inc("pbkv_cancelled_requests_total")
+        # per-tier hits are the engine's own count, taken when it first served the call
+        hits = {"device": req.device_hit, "host": req.host_hit, "disk": req.disk_hit}
+        self.metrics.served(req.call.input_length, len(job.tokens), hits, req.recomputed,
+                            job.stop_reason == CANCELLED)
 
     def _record(self, run: Run, job: Job, hash_ids: list[int], arrival: float) -> None:
         if self.recorder is None:
@@ -237,7 +233,7 @@ class EngineWorker:
     def _end_run(self, run: Run) -> None:
         self.backend.end_workflow(run.wf)
         self.table.remove(run)
-        self.metrics.inc("pbkv_workflows_ended_total", 1, {"reason": run.ending})
+        self.metrics.workflows_ended.labels(reason=run.ending).inc()
         if self.recorder is not None:
             self.recorder.record(run.calls)
 
