@@ -29,6 +29,7 @@ from pbkv.serve.generate import prepare, respond
 from pbkv.serve.metrics import CONTENT_TYPE, Metrics
 from pbkv.serve.tokenizer import Tokenizer
 from pbkv.serve.worker import EngineWorker
+from pbkv.serve.workflows import Hints
 
 log = logging.getLogger("pbkv.serve")
 ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
@@ -79,8 +80,10 @@ class CountRequests:
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
-def _hints(request: Request) -> tuple[str | None, str | None]:
-    return header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")
+def _hints(request: Request, body: schemas._Common) -> Hints:
+    """The call's workflow hints: body fields first, then the headers `X-Workflow-Id`, `X-Agent`."""
+    workflow_id, agent = header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")  # both checked
+    return Hints(body.workflow_id or workflow_id, body.agent or agent, body.workflow_done)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -128,7 +131,7 @@ def create_app(state: ServerState) -> FastAPI:
         check_api_key(request, state.api_key)
         worker = state.worker
         snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
-            worker.backend.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
+            worker.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
         return Response(state.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
 
     async def _parse(request: Request, schema):
@@ -145,7 +148,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _parse(request, schemas.ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = state.tokenizer.chat(messages)
-        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, *_hints(request))
+        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, _hints(request, body))
         return await respond(state, request, p)
 
     @app.post("/v1/completions")
@@ -160,7 +163,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {state.tokenizer.vocab_size}).",
                                   "prompt", "invalid_value")
             text = state.tokenizer.decode(prompt_ids)
-        p = prepare(state, body, prompt_ids, text, False, *_hints(request))
+        p = prepare(state, body, prompt_ids, text, False, _hints(request, body))
         if body.echo:
             p.echo = text
         return await respond(state, request, p)
