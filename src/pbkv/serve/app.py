@@ -99,6 +99,14 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state
     app.add_middleware(CountRequests, metrics=state.metrics)
+    _error_handlers(app)
+    _info_routes(app, state)
+    _completion_routes(app, state)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI shape."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -117,6 +125,10 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(f"Internal server error ({type(exc).__name__}).", "server_error", None,
                                        "internal_error"), status_code=500)
 
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /v1/models, /metrics, /v1/workflows/{workflow_id}/end."""
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": state.model_name, "policy": state.policy_name}
@@ -133,6 +145,21 @@ def create_app(state: ServerState) -> FastAPI:
         snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
             worker.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
         return Response(state.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/workflows/{workflow_id}/end")
+    async def end_workflow(request: Request, workflow_id: str):
+        check_api_key(request, state.api_key)
+        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
+            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
+        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
+        if not found:
+            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
+                           INVALID, "workflow_id", "workflow_not_found")
+        return {"id": workflow_id, "object": "workflow", "ended": True}
+
+
+def _completion_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/chat/completions and /v1/completions."""
 
     async def _parse(request: Request, schema):
         """Auth, size limit, JSON, then the schema: each failure is an OpenAI-style 4xx."""
@@ -167,16 +194,3 @@ def create_app(state: ServerState) -> FastAPI:
         if body.echo:
             p.echo = text
         return await respond(state, request, p)
-
-    @app.post("/v1/workflows/{workflow_id}/end")
-    async def end_workflow(request: Request, workflow_id: str):
-        check_api_key(request, state.api_key)
-        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
-            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
-        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
-        if not found:
-            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
-                           INVALID, "workflow_id", "workflow_not_found")
-        return {"id": workflow_id, "object": "workflow", "ended": True}
-
-    return app
