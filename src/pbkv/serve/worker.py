@@ -11,11 +11,9 @@ order: FCFS), ends idle workflows by the injected clock, then runs one `HFEngine
 prefill, or one decode step of every running request: continuous batching). With no work it
 blocks on the queue (up to `idle_wait` seconds, so idle workflows still expire without traffic).
 
-Jobs on the engine (`HFEngine`'s step-wise API: `submit`, `step`, `cancel`, `Request.sampling`,
-`Request.on_token`): each job becomes one `Request` of its workflow run; EOS ids are the
-engine's, stop strings are decided by the job's detokenizer (`on_token` returns True to stop);
-unseeded sampling gets a fresh seed per call; a queue head that can never fit (`Stuck`) is
-cancelled with "error"; an engine failure ends every job with "error" (`_fail_all`).
+Each job becomes one `Request` of its workflow run (`HFEngine`'s step-wise API); EOS ids are the
+engine's, stop strings the job's detokenizer's (`on_token` returns True to stop); a queue head
+that can never fit (`Stuck`) or an engine failure ends jobs with "error".
 Invariant: every submitted job gets exactly one `Done`, after its text, in order.
 """
 
@@ -247,9 +245,11 @@ class EngineWorker:
         self.metrics.served(req.call.input_length, completion, hits, req.recomputed, reason == CANCELLED)
         self._record(job, req, completion)
         self._count(-1)
-        job.put(Done(reason, len(job.prompt_ids), completion, sum(hits.values()), job.error))
-        if self.table.finish(job.run, self.clock()):
-            self._end_run(job.run)
+        try:  # the run ends (policy told, trace written) before the answer: a client that has it sees the end
+            if self.table.finish(job.run, self.clock()):
+                self._end_run(job.run)
+        finally:
+            job.put(Done(reason, len(job.prompt_ids), completion, sum(hits.values()), job.error))
 
     def _record(self, job: Job, req: Request, completion: int) -> None:
         if self.recorder is None:
