@@ -43,14 +43,13 @@ def on_engine(srv, fn):
     return srv.state.worker.call(fn).result(timeout=60)
 
 
-def watch_counter(srv, name: str) -> threading.Event:
-    """An event set the next time the server increments metric `name` (no polling, no sleeps)."""
-    metrics, event = srv.state.metrics, threading.Event()
-    original = metrics.inc
+def watch_counter(counter) -> threading.Event:
+    """An event set the next time the server increments `counter` (an unlabelled
+    `prometheus_client.Counter` of `srv.state.metrics`): no polling, no sleeps."""
+    event, original = threading.Event(), counter.inc
 
-    def inc(n, value=1.0, labels=None):
-        original(n, value, labels)
-        if n == name:
-            event.set()
-    metrics.inc = inc
+    def inc(amount=1):
+        original(amount)
+        event.set()
+    counter.inc = inc
     return event

@@ -50,7 +50,7 @@ def events_of(srv, wf):
 
 
 def wf_of(srv, key):
-    return on_engine(srv, lambda: srv.state.worker.table.by_key[key].wf)
+    return on_engine(srv, lambda: srv.state.worker.table.by_id[key].workflow)
 
 
 def test_hinted_workflow_events_in_driver_order(srv, client):
@@ -90,7 +90,7 @@ def test_idle_workflows_end_by_the_injected_clock(srv, client):
     assert worker.expire_idle().result(30) == 0          # 59 s < the 60 s timeout
     srv.clock.t += 2
     worker.expire_idle().result(30)  # (the engine thread's own periodic check may have ended it first)
-    assert on_engine(srv, lambda: "idle-one" not in worker.table.by_key)
+    assert on_engine(srv, lambda: "idle-one" not in worker.table.by_id)
     assert httpx.post(srv.url + "/v1/workflows/idle-one/end").status_code == 404
     assert 'pbkv_workflows_ended_total{reason="idle"}' in httpx.get(srv.url + "/metrics").text
 

@@ -29,6 +29,7 @@ from pbkv.serve.generate import prepare, respond
 from pbkv.serve.metrics import CONTENT_TYPE, Metrics
 from pbkv.serve.tokenizer import Tokenizer
 from pbkv.serve.worker import EngineWorker
+from pbkv.serve.workflows import Hints
 
 if TYPE_CHECKING:  # server.py builds the state and imports this module
     from pbkv.serve.server import ServeConfig
@@ -75,11 +76,13 @@ class CountRequests:
             path = scope.get("path", "")
             if path not in ROUTES:
                 path = "/v1/workflows/{id}/end" if path.startswith("/v1/workflows/") else "other"
-            self.metrics.inc("pbkv_requests_total", 1, {"endpoint": path, "status": str(status[0])})
+            self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
-def _hints(request: Request) -> tuple[str | None, str | None]:
-    return header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")
+def _hints(request: Request, body: schemas._Common) -> Hints:
+    """The call's workflow hints: body fields first, then the headers `X-Workflow-Id`, `X-Agent`."""
+    workflow_id, agent = header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")  # both checked
+    return Hints(body.workflow_id or workflow_id, body.agent or agent, body.workflow_done)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -95,6 +98,14 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state
     app.add_middleware(CountRequests, metrics=state.metrics)
+    _error_handlers(app)
+    _info_routes(app, state)
+    _completion_routes(app, state)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI shape."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -113,6 +124,10 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(f"Internal server error ({type(exc).__name__}).", "server_error", None,
                                        "internal_error"), status_code=500)
 
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /v1/models, /metrics, /v1/workflows/{workflow_id}/end."""
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": state.model_name, "policy": state.policy_name}
@@ -125,9 +140,25 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request):
         check_api_key(request, state.config.api_key)
-        snapshot = await asyncio.wrap_future(state.worker.call(
-            lambda: engine_snapshot(state.worker, state.metrics)))
-        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE)
+        worker = state.worker
+        snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
+            worker.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
+        return Response(state.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/workflows/{workflow_id}/end")
+    async def end_workflow(request: Request, workflow_id: str):
+        check_api_key(request, state.config.api_key)
+        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
+            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
+        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
+        if not found:
+            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
+                           INVALID, "workflow_id", "workflow_not_found")
+        return {"id": workflow_id, "object": "workflow", "ended": True}
+
+
+def _completion_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/chat/completions and /v1/completions."""
 
     async def _parse(request: Request, schema):
         """Auth, size limit, JSON, then the schema: each failure is an OpenAI-style 4xx."""
@@ -143,7 +174,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _parse(request, schemas.ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = state.tokenizer.chat(messages)
-        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, *_hints(request))
+        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, _hints(request, body))
         return await respond(state, request, p)
 
     @app.post("/v1/completions")
@@ -158,20 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {state.tokenizer.vocab_size}).",
                                   "prompt", "invalid_value")
             text = state.tokenizer.decode(prompt_ids)
-        p = prepare(state, body, prompt_ids, text, False, *_hints(request))
+        p = prepare(state, body, prompt_ids, text, False, _hints(request, body))
         if body.echo:
             p.echo = text
         return await respond(state, request, p)
-
-    @app.post("/v1/workflows/{workflow_id}/end")
-    async def end_workflow(request: Request, workflow_id: str):
-        check_api_key(request, state.config.api_key)
-        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
-            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
-        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
-        if not found:
-            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
-                           INVALID, "workflow_id", "workflow_not_found")
-        return {"id": workflow_id, "object": "workflow", "ended": True}
-
-    return app

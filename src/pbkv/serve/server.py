@@ -67,7 +67,6 @@ def build_state(cfg: ServeConfig) -> ServerState:
     import torch
 
     from pbkv.engine.hf import load_model
-    from pbkv.serve.backend import ServingEngine
     from pbkv.serve.learning import build_policy, finish_learning
     from pbkv.serve.recorder import TraceRecorder
     from pbkv.serve.tokenizer import tokenizer_for
@@ -87,13 +86,12 @@ def build_state(cfg: ServeConfig) -> ServerState:
     lm = load_model(cfg.model, seed=cfg.seed)
     tokenizer = tokenizer_for(lm.tokenizer, lm.vocab_size)
     caps = cfg.capacities()
-    backend = ServingEngine(lm, setup.policy, caps, block_size, cfg.cache.disk_dir, max_running=cfg.max_running,
-                            eos_ids=tokenizer.eos_ids)
-    table = WorkflowTable(cfg.idle_timeout)
+    engine = _engine(cfg, lm, setup.policy, caps, tokenizer.eos_ids)
+    table = WorkflowTable(cfg.idle_timeout, max_agents=cfg.max_agents)
     metrics = Metrics()
     name = cfg.served_name or Path(cfg.model).name
     recorder = TraceRecorder(cfg.record, table.session, block_size, name, cfg.record_rotate) if cfg.record else None
-    worker = EngineWorker(backend, tokenizer, table, metrics, recorder, cfg.clock, cfg.max_agents, cfg.record_context)
+    worker = EngineWorker(engine, tokenizer, table, metrics, recorder, cfg.clock, cfg.record_context)
     positions = getattr(lm.model.config, "max_position_embeddings", None) or caps.device
     state = ServerState(model_name=name, policy_name=cfg.policy, tokenizer=tokenizer, worker=worker,
                         metrics=metrics, max_context=min(positions, caps.device), config=cfg)
@@ -103,9 +101,19 @@ def build_state(cfg: ServeConfig) -> ServerState:
         saved = finish_learning(setup)
         if saved is not None:
             log.info("saved the predictor to %s", saved)
-    state.on_shutdown += [worker.stop, save_predictor, backend.close]
+    state.on_shutdown += [worker.stop, save_predictor, engine.close]
     worker.start()
     return state
+
+
+def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
+    """The real engine over a fresh tiered cache; the worker thread owns both."""
+    from pbkv.cache import RadixTree, TieredCache
+    from pbkv.engine.hf import EngineOptions, HFEngine
+
+    cache = TieredCache(RadixTree(cfg.cache.block_size), caps, policy)
+    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir,
+                    options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
 
 
 def run(cfg: ServeConfig, log_level: str = "info") -> None:
