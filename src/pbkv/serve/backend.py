@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
-from pbkv.engine.hf import CANCELLED, ERROR, EngineOptions, HFEngine, LoadedModel, Sampling, Stuck, block_hashes
+from pbkv.engine.hf import EngineOptions, HFEngine, LoadedModel, Stuck, block_hashes
 from pbkv.engine.request import Request
+from pbkv.engine.sampling import CANCELLED, ERROR, Sampling
 from pbkv.policy import Policy
 from pbkv.trace import Call
 

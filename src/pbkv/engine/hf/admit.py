@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pbkv.cache import Move, Node, Tier
+from pbkv.engine.base import tokens_by_tier
 from pbkv.engine.hf.transfer import Transfer, load_task
 from pbkv.engine.prefetch import prepare_prefetches
 from pbkv.engine.request import Request
@@ -68,9 +69,7 @@ class CacheOps:
         promote, recomputing = None, first < len(path)
         if recomputing:
             lower = path[first:]
-            by_tier = [0, 0, 0]
-            for n in lower:
-                by_tier[n.tier] += n.tokens
+            by_tier = tokens_by_tier(lower)
             recompute = self.rates.prefill_seconds(max(0, min(device + sum(by_tier), cap) - device))
             busy = [self._inflight[n.id] for n in lower if n.id in self._inflight]
             if busy:
@@ -118,16 +117,6 @@ class CacheOps:
             self.stats.load_waits += 1
         return WAIT
 
-    def _unpin_waiting(self) -> bool:
-        """Nothing runs and the queue head cannot fit: release the prefixes queued requests
-        loaded and still pin (they are matched again when admitted). Whether anything was freed."""
-        freed = False
-        for req in self._waiting[1:]:
-            if req.node is not None and not req.loading:
-                self.tree.unlock(req.node)
-                req.node, freed = None, True
-        return freed
-
     # ------------------------------------------------------------------ insertion
 
     def _insert(self, req: Request, kv_of) -> None:
@@ -153,9 +142,7 @@ class CacheOps:
     # ------------------------------------------------------------------ transfers
 
     def _start_transfer(self, move: Move, req: Request | None) -> None:
-        tokens = [0, 0, 0]
-        for n in move.nodes:
-            tokens[n.tier] += n.tokens
+        tokens = tokens_by_tier(move.nodes)
         entries = [(n.id, n.value) for n in move.nodes]
         future = self.store.worker.submit(load_task, self.store, entries)
         t = Transfer(move, future, self.clock.now() + self.rates.load_seconds(tokens), req, tokens)

@@ -24,9 +24,10 @@ import torch
 
 from pbkv.engine.hf.admit import ADMITTED, BLOCKED, Admission
 from pbkv.engine.hf.model import cache_to_kv, forward, make_cache
-from pbkv.engine.hf.sampling import DEFAULT, LENGTH, STOP, sample
+from pbkv.engine.hf.sampling import sample
 from pbkv.engine.hf.state import EngineError, Output, Seq
 from pbkv.engine.request import Request
+from pbkv.engine.sampling import DEFAULT, LENGTH, STOP
 
 
 class ExecOps:
