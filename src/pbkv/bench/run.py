@@ -82,7 +82,8 @@ class SimSetup(EngineSetup):
         return Simulator(self.cost, cache, policy)
 
     def record(self, engine: Simulator, cache: TieredCache, wall_seconds: float) -> dict:
-        return {"bytes_loaded": self.kv_bytes_per_token * (cache.stats.loaded[Tier.HOST] + cache.stats.loaded[Tier.DISK])}
+        loaded = cache.stats.loaded
+        return {"bytes_loaded": self.kv_bytes_per_token * (loaded[Tier.HOST] + loaded[Tier.DISK])}
 
 
 def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:

@@ -1,8 +1,8 @@
 """The real engine's compute side: prefill one admitted request, decode one step, end a request.
 
 Mixed into `HFEngine` (engine.py), which holds `lm`, `cache`, `tree`, `store`, `policy`,
-`rates`, `clock`, `opts`, `stats`, `_waiting`, `_running` and `_prompts`. Everything runs on
-the engine's thread.
+`rates`, `clock`, `opts`, `stats`, `_waiting`, `_running` and `_prompts` (`_timed` and `_event`:
+`pbkv.engine.base.EngineBase`). Everything runs on the engine's thread.
 
 Invariants:
 - a request is in exactly one of: the waiting list, the running list (as a `Seq`), finished
