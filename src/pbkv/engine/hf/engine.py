@@ -66,7 +66,7 @@ class HFEngine(ExecOps, CacheOps, EngineBase):
         cache.storage = self.store
         self.tokenize = tokenize or TokenMapper(lm.vocab_size, self.tree.block_size, self.opts.seed).tokens
         self.rates = Rates(lm.kv_bytes_per_token)
-        self._running: list[Seq] = []   # (`_waiting`, FCFS, includes requests whose prefix is loading)
+        self._running: list[Seq] = []   # decoding (`_waiting`, FCFS, also holds requests whose prefix loads)
         self._transfers: list = []
         self._inflight: dict = {}       # node id -> Transfer moving it up
         self._lost: set = set()         # nodes with unreadable data, dropped once unpinned
