@@ -11,6 +11,12 @@ part, so the two engines differ only in how they admit, compute and move KV:
   prefixes when nothing can run, and the "stuck" message;
 - `tokens_by_tier`: how many tokens a list of nodes holds in each tier.
 A subclass provides `now` (the engine's time: simulated, or its clock's) and its scheduling loop.
+
+Parts with their own state are composed (`EventQueue`, the stats record); the rest is a small
+base class because every piece of it reads the same few fields (cache, tree, policy, waiting
+list, stats). The real engine's `CacheOps` (hf/admit.py) and `ExecOps` (hf/execute.py) stay
+mixins for the same reason: each reads and writes a dozen fields of one engine, so splitting
+them into objects would only route every access through a back-reference.
 """
 
 from __future__ import annotations
