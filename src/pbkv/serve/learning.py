@@ -8,7 +8,7 @@
   to `TrafficLearner` (retrains in a child process, serving never waits) and swaps in the new
   predictor when it is ready (`PBKVPolicy._learn`);
 - on shutdown the newest neural predictor is saved back to `--model-dir` (after a last retrain
-  on workflows not yet learned from), each file replaced atomically.
+  on workflows not yet learned from) as a new version made live atomically.
 Policies that read a trace's future (the oracle) cannot serve: a server has no future.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -30,6 +29,7 @@ import numpy as np
 from pbkv.policy import PolicyContext
 from pbkv.policy.registry import make_policy, needed_predictor, needs_future
 from pbkv.predict.online import OnlineLearner
+from pbkv.predict.store import has_predictor
 from pbkv.serve.workflows import DEFAULT_AGENT
 
 log = logging.getLogger("pbkv.serve")
@@ -145,7 +145,7 @@ def build_policy(name: str, block_size: int, model_dir: str | Path | None = None
     model_dir = Path(model_dir) if model_dir else None
     predictors, loaded = {}, False
     if variant is not None:
-        if model_dir is not None and (model_dir / "config.json").is_file():
+        if model_dir is not None and has_predictor(model_dir):
             from pbkv.predict.predictor import PredictorLoadError, load_predictor
             try:
                 predictors[variant] = load_predictor(model_dir)
@@ -184,15 +184,7 @@ def finish_learning(setup: PolicySetup) -> Path | None:
 
 
 def save_atomic(predictor, folder: Path) -> Path:
-    """Write into a sibling folder, then move each file over the old one (os.replace): a reader
-    sees each file whole, old or new, never half-written."""
+    """Save as a new version of `folder`, made live in one atomic step (`pbkv.predict.store`):
+    a reader, or a server killed mid-save, sees the old predictor or the new one, each whole."""
     from pbkv.predict.predictor import save_predictor
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    try:
-        save_predictor(predictor, tmp)
-        for f in tmp.iterdir():
-            os.replace(f, folder / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return save_predictor(predictor, folder)
