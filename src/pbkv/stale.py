@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def pid_alive(pid: int) -> bool:
-    """True while a process with this PID exists (a zombie counts: its parent has not reaped it)."""
+    """True while a process with this PID runs (a zombie, dead but not yet reaped, is not alive)."""
     if pid <= 0:
         return False
     if pid == os.getpid():
@@ -28,7 +28,15 @@ def pid_alive(pid: int) -> bool:
         return True
     except OSError:
         return False
-    return True
+    return not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:  # Linux: the state follows the parenthesised command name in /proc/PID/stat
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"Z"
 
 
 def remove_stale(folder: str | Path, pattern: str | re.Pattern) -> list[Path]:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing import Pipe, get_context
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,7 @@ class TrafficLearner(OnlineLearner):
     skipped = 0
     nice = DEFAULT_NICE
     _pool = None
+    _lifeline = None
 
     def add(self, agents: list[str], contexts: list[str | None]) -> None:
         if all(a == DEFAULT_AGENT for a in agents):
@@ -76,8 +78,7 @@ class TrafficLearner(OnlineLearner):
         from pbkv.predict.predictor import load_predictor
         start = time.perf_counter()
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_child_init,
-                                             initargs=(self.nice,))
+            self._pool, self._lifeline = start_pool(self.nice)
         with tempfile.TemporaryDirectory(prefix="pbkv-learn-") as folder:
             try:
                 self._pool.submit(_train_in_child, traces, self.variant, self.horizon, self.seed + self.retrains,
@@ -112,14 +113,44 @@ class TrafficLearner(OnlineLearner):
                 for proc in list(getattr(self._pool, "_processes", {}).values()):
                     proc.terminate()
             self._pool.shutdown(wait=True, cancel_futures=True)  # quick once killed; frees its locks
-            self._pool = None
+            self._lifeline.close()
+            self._pool = self._lifeline = None
 
 
-def _child_init(nice: int) -> None:
+def start_pool(nice: int):
+    """The one-process pool that runs retrains. Its process exits when this one dies, however it
+    dies (kill -9 included): it holds the read end of a pipe whose only write end stays here,
+    and a thread of the child waits on it; the kernel closes the write end when this process
+    ends, the read returns, and the child exits. (Linux's PR_SET_PDEATHSIG is not used: it fires
+    when the *thread* that spawned the child ends, and the pool spawns from a retrain thread.)
+    Returns (pool, lifeline): keep the lifeline (the write end) open as long as the pool."""
+    reader, writer = Pipe(duplex=False)
+    pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_child_init,
+                               initargs=(nice, reader, os.getpid()))
+    return pool, writer
+
+
+def _child_init(nice: int, lifeline, parent: int) -> None:
     try:
         os.nice(nice)
     except OSError:
         pass
+    threading.Thread(target=_exit_with_parent, args=(lifeline, parent), daemon=True,
+                     name="pbkv-parent-watch").start()
+
+
+def _exit_with_parent(lifeline, parent: int) -> None:
+    """Block until the parent's end of the pipe closes (or the parent PID goes), then exit now:
+    an orphaned retrain has nobody to report to and holds hundreds of MB."""
+    while True:
+        try:
+            if lifeline.poll(1.0):
+                lifeline.recv()  # nothing is ever sent: this raises EOFError once the parent is gone
+        except (EOFError, OSError):
+            break
+        if os.getppid() != parent:  # reparented: a fallback where the pipe is not closed
+            break
+    os._exit(1)
 
 
 def _train_in_child(traces, variant: str, horizon: int, seed: int, steps: int, folder: str) -> str:
