@@ -88,19 +88,46 @@ def context_for(policy: str, workload: Workload, cost: CostModel, concurrency: i
 @given(workflows=WORKFLOWS, concurrency=st.integers(1, 6), device_factor=st.floats(1.0, 3.0),
        tiers=st.sampled_from(["device", "host-pressure", "three"]))
 def test_random_runs_keep_the_invariants_and_complete(policy, workflows, concurrency, device_factor, tiers):
-    workload = Workload("prop", build_trace(workflows))
+    replay_checked(policy, Workload("prop", build_trace(workflows)), concurrency, device_factor, tiers)
+
+
+def replay_checked(policy: str, workload: Workload, concurrency: int, device_factor: float, tiers: str,
+                   host_factor: float = 1 / 3):
+    """Replay with capacities sized from the largest call; check invariants throughout and at the end."""
+    bs = workload.trace.block_size
     need = max(c.input_length + c.output_length for c in workload.trace.calls)
-    device = int(need * device_factor) + BS
-    host = {"device": 0, "host-pressure": need // 3, "three": need}[tiers]
+    device = int(need * device_factor) + bs
+    host = {"device": 0, "host-pressure": int(need * host_factor), "three": need}[tiers]
     disk = 4 * need if tiers == "three" else 0
     cost = CostModel(PROFILE)
-    ctx = context_for(policy, workload, cost, concurrency)
-    pol = make_policy(policy, ctx)
-    cache = TieredCache(RadixTree(BS), Capacities(device, host, disk), pol)
+    pol = make_policy(policy, context_for(policy, workload, cost, concurrency))
+    cache = TieredCache(RadixTree(bs), Capacities(device, host, disk), pol)
     engine = CheckedSimulator(cost, cache, pol)
     rec = Replay(engine, workload.workflows, concurrency, Recorder()).run()
     cache.check()
-    assert len(rec.latency) == len(workflows)
+    assert len(rec.latency) == len(workload.workflows)
     assert rec.calls == len(workload.trace.calls)
     assert engine.checks > 0 and cache.reserved == 0
     assert all(n.lock == 0 for n in cache.tree.iter_nodes())
+
+
+def generated(spec: str, workflows: int, seed: int) -> Workload:
+    from pbkv.workloads import generate, load_spec
+    s = load_spec(spec)
+    return Workload(spec, generate(s, workflows, seed), s.edges())
+
+
+def test_prefetch_regression_dialogue_seed_0():
+    # found by the generated-workload search below on the unfixed code: a prefetch whose room
+    # was made by dropping another wanted host node (engine/prefetch.py)
+    replay_checked("pbkv", generated("dialogue", 30, 0), 8, 1.2, "host-pressure", host_factor=1.0)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(spec=st.sampled_from(["swe", "hover", "finance", "dialogue"]), seed=st.integers(0, 1000),
+       workflows=st.integers(4, 24), concurrency=st.integers(1, 8), device_factor=st.floats(1.0, 2.0),
+       tiers=st.sampled_from(["device", "host-pressure", "three"]), host_factor=st.floats(0.2, 1.5))
+def test_generated_workloads_keep_the_invariants_and_complete(policy, spec, seed, workflows, concurrency,
+                                                              device_factor, tiers, host_factor):
+    replay_checked(policy, generated(spec, workflows, seed), concurrency, device_factor, tiers, host_factor)
