@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import BLOCK, ids, make_cache
-from pbkv.cache import Node, RadixTree, Tier
+from pbkv.cache import Node, Tier
 from pbkv.cache.tree import TreeError
 from pbkv.policy.reuse_score import ReuseScores
 from test_pbkv_policy import W1, W2, call, make
