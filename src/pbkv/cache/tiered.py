@@ -241,7 +241,9 @@ class TieredCache:
     @staticmethod
     def below_device(node: Node) -> list[Node]:
         """The path segment that is not on the device, root side first: what loading `node`
-        onto the device moves (empty when `node` is on the device)."""
+        onto the device moves (empty when `node` is on the device). `node` must be in the tree."""
+        if not node.alive:
+            raise TreeError(f"{node} is not in the tree (dropped): it has no path to load")
         segment = []
         while node.tier != Tier.DEVICE:
             segment.append(node)
