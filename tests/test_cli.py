@@ -85,7 +85,7 @@ def test_errors_are_clear_and_exit_2(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"workflow_id": "w", "step": 0}\n')
     r = invoke("bench", "--trace", bad, "--out", tmp_path)
-    assert r.exit_code == 2 and "bad.jsonl:1: field 'agent'" in r.output
+    assert r.exit_code == 1 and "bad.jsonl:1: field 'agent'" in r.output
     r = invoke("gen", "nosuch", "-o", tmp_path / "x.jsonl")
     assert r.exit_code == 2 and "nosuch" in r.output
     for cmd in ("sim", "policy"):

