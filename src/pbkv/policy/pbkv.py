@@ -1,18 +1,28 @@
-"""PBKV: prediction-based eviction and prefetch, used conservatively, with a feedback loop.
+"""PBKV: prediction-based eviction, admission and prefetch, used conservatively, with feedback.
 
-Eviction order on the device (the cache never evicts a locked node):
+Eviction order, the same on the device, on host and on disk (the cache never evicts a locked
+node):
   1. retired nodes (cache private to workflows that all ended), LRU among them;
-  2. active nodes by ascending reuse score (`reuse_score.py`), ties by LRU.
-Below the device, retired nodes go first too, then LRU. Retired nodes are written down a tier
-like any other (not dropped): "retired" is a guess from the tags (an agent's prompt seen by a
-single finished workflow looks retired), and a wrong guess must cost a load, not a recompute.
-Prefetch: `conservative_prefetch.py`. Predictions are refreshed at every call.
+  2. predicted-dead nodes: no active workflow is predicted to read them within the horizon
+     (reuse probability < DEAD_P), LRU among them;
+  3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
+     predictions: expected next-use time, in seconds, from the K-step agent distributions,
+     survival, and per-agent call durations and tool waits learned online), ties by LRU.
+Admission (`keep_on_evict`): an evicted node is written down a tier only if it may be reused:
+retired and predicted-dead nodes are dropped, and when the tier below is full a node goes
+there only if it outranks that tier's next victim (else the write would evict something
+worth more). Why one rule at every tier: with a host tier under pressure, what the host keeps
+and drops decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
+Prefetch: `conservative_prefetch.py`, ranked by the one-step reuse value (`reuse_score.py`).
+Predictions are refreshed at every call.
 
 Feedback (`pbkv.predict.monitor`): the predictor's next-event accuracy is compared online with a
-Markov baseline learned from the same stream. As trust falls, scores are quantised ever more
-coarsely, so more nodes tie and LRU decides: at trust 0 the order is plain LRU (after retired)
+Markov baseline learned from the same stream. As trust falls, next-use times are quantised ever
+more coarsely, so more nodes tie and LRU decides; below DEAD_MIN_LEVEL no node is called dead;
+at trust 0 the order is plain LRU (after retired), every evicted node is written down a tier
 and prefetch stops. When retired cache turns out to be reused by new workflows, retired-first
-is switched off. With an online learner, finished workflows retrain the predictor.
+(and dropping retired nodes) is switched off. With an online learner, finished workflows
+retrain the predictor.
 
 Context signal: with a predictor that reads the serving model's hidden state (its config has
 `context_dim > 0`), a real engine's `on_prefill` event (the hidden state at the call's last
@@ -29,11 +39,17 @@ from __future__ import annotations
 from pbkv.cache import Node, Tier
 from pbkv.policy import conservative_prefetch
 from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
+import math
+
+from pbkv.policy.next_use import NextUse
 from pbkv.policy.reuse_score import ReuseScores
 from pbkv.predict.monitor import END, QualityMonitor
 
 TRUST_STEPS = 10          # trust is acted on in tenths
 PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
+DEAD_P = 0.05             # reuse probability within the horizon below which a node is "dead"
+DEAD_MIN_LEVEL = 5        # below this trust level no node is called dead (LRU decides)
+FINE_BUCKETS = 64         # at full trust, next-use times are compared to 1/64 of a mean step
 
 
 class PBKVPolicy(Policy):
@@ -55,6 +71,8 @@ class PBKVPolicy(Policy):
         if self.predictor is not None and horizon > self.predictor.horizon:
             raise ValueError(f"--horizon {horizon} exceeds the predictor's horizon {self.predictor.horizon}")
         self.scores = ReuseScores(gamma=float(opts.get("gamma", 0.8)), horizon=horizon)
+        self.next_use = NextUse(self.scores, horizon)
+        self.bucket = None        # seconds per next-use bucket (None: exact), set with the level
         self.monitor = QualityMonitor()
         self.learner = opts.get("online_learner")
         self.history: dict[int, list[str]] = {}
@@ -77,13 +95,27 @@ class PBKVPolicy(Policy):
     def priority(self, node: Node) -> tuple:
         if self._retired(node):
             return (0, 0, node.last_access)
-        if node.tier != Tier.DEVICE:
-            return (1, 0, node.last_access)
         if not self.use_scores or self.level == 0:
             return (1, 0, node.last_access)
-        score = self.scores.score(node)
-        levels = 2 ** (2 * self.level)  # trust 1: ~1M levels (exact order); 0: one level (LRU)
-        return (1, int(score / (1.0 + score) * levels), node.last_access)
+        when, p = self.next_use.of(node)
+        if p < DEAD_P and self.level >= DEAD_MIN_LEVEL:
+            return (1, 0, node.last_access)
+        if self.bucket is not None and when != math.inf:
+            when = math.floor(when / self.bucket)
+        return (2, -when, node.last_access)
+
+    def keep_on_evict(self, node: Node) -> bool:
+        """Write `node` down a tier only if it may be reused and outranks what it would evict."""
+        if not self.use_scores or self.level == 0:
+            return True
+        key = self.priority(node)
+        if key[0] < 2:   # retired or predicted dead
+            return False
+        below = Tier(node.tier + 1)
+        if self.cache.free(below) >= node.tokens:
+            return True
+        victim = self.cache.next_victim(below)
+        return victim is None or key > self.priority(victim)
 
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
@@ -104,17 +136,21 @@ class PBKVPolicy(Policy):
         w, agent = event.workflow, event.agent
         self._observe(w, agent)
         self._observe_match(event.node)
+        self.next_use.timing.call_start(w, agent, event.now)
         self.history[w].append(agent)
         self.contexts[w].append(event.call.context if event.call is not None else None)
-        self._predict(w, agent, self.hiddens.get(w))
+        self._predict(w, agent, self.hiddens.get(w), event.now)
+
+    def on_call_end(self, event: CallEvent) -> None:
+        self.next_use.timing.call_end(event.workflow, event.agent, event.now)
 
     def on_prefill(self, event: CallEvent) -> None:
         if not self.reads_hidden or event.hidden is None or event.workflow not in self.history:
             return
         self.hiddens[event.workflow] = event.hidden
-        self._predict(event.workflow, event.agent, event.hidden)
+        self._predict(event.workflow, event.agent, event.hidden, event.now)
 
-    def _predict(self, w: int, agent: str, hidden) -> None:
+    def _predict(self, w: int, agent: str, hidden, now: float) -> None:
         if self.predictor is None:
             return
         if self.reads_hidden and hidden is not None:
@@ -122,6 +158,7 @@ class PBKVPolicy(Policy):
         else:
             pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
+        moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival)))
         s1 = float(pred.survival[0])
         nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
         nxt[END] = 1.0 - s1
@@ -131,7 +168,7 @@ class PBKVPolicy(Policy):
     def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
         self._observe(workflow, END)
         self.expected.pop(workflow, None)
-        moved = self.scores.remove(workflow)
+        moved = sorted(set(self.scores.remove(workflow)) | set(self.next_use.remove(workflow)))
         if self.learner is not None:
             self._learn(workflow)
         self.history.pop(workflow, None)
@@ -180,8 +217,11 @@ class PBKVPolicy(Policy):
         level = round(self.monitor.trust * TRUST_STEPS)
         if level != self.level:
             self.level = level
-            for node in self.cache.candidates(Tier.DEVICE):
-                self.cache.refresh(node)
+            fine = self.next_use.timing.step / FINE_BUCKETS
+            self.bucket = None if level == TRUST_STEPS else fine * 2 ** (TRUST_STEPS - level)
+            for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+                for node in self.cache.candidates(tier):
+                    self.cache.refresh(node)
 
     def _learn(self, workflow: int) -> None:
         self.learner.add(self.history[workflow], self.contexts[workflow])

@@ -1,0 +1,171 @@
+"""Predicted next use of a cache node: when, in seconds, some active workflow will next read it.
+
+For a running workflow w, predicted at the start of its call s (at time `now`), with P_k the
+distribution of the agent of call s+k (given it happens) and s_k the probability it happens:
+
+    u_k(a)  = s_k * P_k[a]                            (call s+k is made by agent a)
+    f_k(a)  = u_k(a) * prod_{j<k} (1 - u_j(a))        (agent a's first call is call s+k)
+    p(a)    = sum_k f_k(a)                            (a calls again within the horizon K)
+    t_k     = now + d(cur) + sum_{j<=k} g_j + sum_{j<k} d_j   (expected issue time of call s+k)
+    E(a)    = sum_k f_k(a) t_k + (1 - p(a)) * far     (expected next-use time of a's cache)
+
+d and g are per-agent call durations (call arrival to end, queueing included) and tool waits
+(end of a workflow's call to its next call's arrival), learned online from the call events
+(`Timing`); d_j, g_j are their expectations under P_j. `far` stands for "not within the
+horizon": one mean step past the horizon, stretched by 1 / s_K because a workflow that is likely
+to end is unlikely ever to come back (a node of a dying workflow is as good as dead).
+
+A node's next use is the earliest over the (workflow, agent) pairs that may read it: for an
+ordinary node, the active workflows that used it, with their agents; for a *common* node
+(`ReuseScores.is_common`), every active workflow with the agents that ever used the node. Its
+reuse probability is the largest p over the same pairs. Times are absolute (seconds on the
+engine's clock), so keys computed at different moments stay comparable.
+
+Invariant: a node's next use is never later than any descendant's (its tags contain theirs, and
+a common node's ancestors are common), so a prefix is never ranked below its suffixes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pbkv.cache import Node
+from pbkv.policy.reuse_score import ReuseScores, bits
+
+INF = math.inf
+
+
+class Timing:
+    """Per-agent call durations and tool waits, as running means learned from call events."""
+
+    def __init__(self, alpha: float = 0.05, default: float = 1.0):
+        self.alpha, self.default = alpha, default
+        self.duration: dict[str, float] = {}
+        self.wait: dict[str, float] = {}
+        self.started: dict[int, float] = {}   # workflow -> arrival of its running call
+        self.ended: dict[int, float] = {}     # workflow -> end of its last call
+        self.mean_duration = self.mean_wait = None
+
+    def call_start(self, workflow: int, agent: str, now: float) -> None:
+        last = self.ended.pop(workflow, None)
+        if last is not None:
+            self.mean_wait = self._learn(self.wait, agent, now - last, self.mean_wait)
+        self.started[workflow] = now
+
+    def call_end(self, workflow: int, agent: str, now: float) -> None:
+        start = self.started.pop(workflow, None)
+        if start is not None:
+            self.mean_duration = self._learn(self.duration, agent, now - start, self.mean_duration)
+        self.ended[workflow] = now
+
+    def forget(self, workflow: int) -> None:
+        self.started.pop(workflow, None)
+        self.ended.pop(workflow, None)
+
+    def of(self, table: dict[str, float], agent: str) -> float:
+        value = table.get(agent)
+        if value is not None:
+            return value
+        mean = self.mean_duration if table is self.duration else self.mean_wait
+        return mean if mean is not None else (self.default if table is self.duration else 0.0)
+
+    @property
+    def step(self) -> float:
+        """Mean seconds between two calls of a workflow (one duration plus one wait)."""
+        return (self.mean_duration or self.default) + (self.mean_wait or 0.0)
+
+    def _learn(self, table: dict[str, float], agent: str, x: float, mean: float | None) -> float:
+        x = max(0.0, x)
+        old = table.get(agent)
+        table[agent] = x if old is None else old + self.alpha * (x - old)
+        return x if mean is None else mean + self.alpha * (x - mean)
+
+
+class NextUse:
+    """Expected next-use time and reuse probability of nodes, per agent class and workflow."""
+
+    def __init__(self, scores: ReuseScores, horizon: int):
+        self.scores = scores            # agent classes, tree bits, common/retired rules
+        self.horizon = horizon
+        self.timing = Timing()
+        self.when: dict[int, list[float]] = {}   # workflow -> E(a) per class
+        self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
+        self.first: list[float] = []             # per class: earliest E(a) over workflows
+        self.pmax: list[float] = []              # per class: largest p(a) over workflows
+
+    def update(self, workflow: int, agent: str, now: float, probs, survival) -> list[int]:
+        """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
+        update` set first); return the classes whose earliest next use moved."""
+        classes = self.scores.classes
+        timing = self.timing
+        dur = [timing.of(timing.duration, c) for c in classes]
+        wait = [timing.of(timing.wait, c) for c in classes]
+        t = now + timing.of(timing.duration, agent)      # expected end of the running call
+        steps = min(self.horizon, len(survival))
+        n = len(classes)
+        when, prob, none = [0.0] * n, [0.0] * n, [1.0] * n
+        for k in range(steps):
+            row, s = probs[k], float(survival[k])
+            issue = t + sum(float(row[a]) * wait[a] for a in range(n))
+            for a in range(n):
+                f = none[a] * s * float(row[a])
+                when[a] += f * issue
+                prob[a] += f
+                none[a] -= f
+            t = issue + sum(float(row[a]) * dur[a] for a in range(n))
+        last = float(survival[steps - 1]) if steps else 0.0
+        far = t + timing.step / max(last, 0.05)
+        for a in range(n):
+            when[a] += (1.0 - prob[a]) * far
+        self.when[workflow], self.prob[workflow] = when, prob
+        return self._refresh_classes()
+
+    def remove(self, workflow: int) -> list[int]:
+        self.timing.forget(workflow)
+        if self.when.pop(workflow, None) is None:
+            return []
+        self.prob.pop(workflow, None)
+        return self._refresh_classes()
+
+    def of(self, node: Node) -> tuple[float, float]:
+        """(expected next-use time, reuse probability within the horizon) of `node`;
+        (inf, 0) when no active workflow may read it."""
+        scores = self.scores
+        if not scores.classes:
+            return INF, 0.0
+        scores._extend_bits()
+        cob = scores._class_of_bit
+        if scores.is_common(node):
+            cls = {cob[b] for b in bits(node.agent_mask)}
+            if not cls or len(self.first) != len(scores.classes):
+                return INF, 0.0
+            return min(self.first[c] for c in cls), max(self.pmax[c] for c in cls)
+        best, p = INF, 0.0
+        for w, mask in node.wf_agents.items():
+            when = self.when.get(w)
+            if when is None or len(when) != len(scores.classes):
+                continue
+            prob = self.prob[w]
+            for b in bits(mask):
+                c = cob[b]
+                if when[c] < best:
+                    best = when[c]
+                if prob[c] > p:
+                    p = prob[c]
+        return best, p
+
+    def _refresh_classes(self) -> list[int]:
+        n = len(self.scores.classes)
+        first, pmax = [INF] * n, [0.0] * n
+        for w, when in self.when.items():
+            if len(when) != n:   # predicted before a retrained predictor changed the classes
+                continue
+            prob = self.prob[w]
+            for a in range(n):
+                if when[a] < first[a]:
+                    first[a] = when[a]
+                if prob[a] > pmax[a]:
+                    pmax[a] = prob[a]
+        old = self.first if len(self.first) == n else [INF] * n
+        self.first, self.pmax = first, pmax
+        return [a for a in range(n) if old[a] != first[a]]
