@@ -93,17 +93,25 @@ class NextUse:
         self.first: list[float] = []             # per class: earliest E(a) over workflows
         self.pmax: list[float] = []              # per class: largest p(a) over workflows
 
-    def update(self, workflow: int, agent: str, now: float, probs, survival) -> list[int]:
+    def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:
         """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
-        update` set first); return the classes whose earliest next use moved."""
+        update` set first); return the classes whose earliest next use moved.
+
+        `pending`: the call of `agent` that the prediction follows has arrived but not ended:
+        it still has to read its prompt's cache (it may wait in the queue), so its agent's next
+        use is now; once it ended (`pending` False) the horizon starts at `now`."""
         classes = self.scores.classes
         timing = self.timing
         dur = [timing.of(timing.duration, c) for c in classes]
         wait = [timing.of(timing.wait, c) for c in classes]
-        t = now + timing.of(timing.duration, agent)      # expected end of the running call
-        steps = min(self.horizon, len(survival))
         n = len(classes)
         when, prob, none = [0.0] * n, [0.0] * n, [1.0] * n
+        t = now
+        if pending:
+            t += timing.of(timing.duration, agent)       # expected end of the running call
+            current = self.scores.class_of(agent)
+            when[current], prob[current], none[current] = now, 1.0, 0.0
+        steps = min(self.horizon, len(survival))
         for k in range(steps):
             row, s = probs[k], float(survival[k])
             issue = t + sum(float(row[a]) * wait[a] for a in range(n))

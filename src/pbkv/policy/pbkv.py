@@ -78,6 +78,7 @@ class PBKVPolicy(Policy):
         self.history: dict[int, list[str]] = {}
         self.contexts: dict[int, list[str | None]] = {}
         self.hiddens: dict[int, object] = {}      # workflow -> hidden state of its latest prefill
+        self.predictions: dict = {}               # workflow -> its latest Prediction
         cfg = getattr(self.predictor, "cfg", None) or getattr(getattr(self.predictor, "inner", None), "cfg", None)
         self.reads_hidden = bool(cfg is not None and cfg.uses_context and cfg.context_dim > 0)
         self.expected: dict[int, tuple[str, dict[str, float]]] = {}  # workflow -> (agent, next event)
@@ -142,7 +143,13 @@ class PBKVPolicy(Policy):
         self._predict(w, agent, self.hiddens.get(w), event.now)
 
     def on_call_end(self, event: CallEvent) -> None:
-        self.next_use.timing.call_end(event.workflow, event.agent, event.now)
+        """The call has read its cache: its agent's next use is now the predicted one."""
+        w = event.workflow
+        self.next_use.timing.call_end(w, event.agent, event.now)
+        pred = self.predictions.get(w)
+        if pred is not None:
+            moved = self.next_use.update(w, event.agent, event.now, pred.probs, pred.survival, pending=False)
+            self._rerank(w, moved)
 
     def on_prefill(self, event: CallEvent) -> None:
         if not self.reads_hidden or event.hidden is None or event.workflow not in self.history:
@@ -158,7 +165,9 @@ class PBKVPolicy(Policy):
         else:
             pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
-        moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival)))
+        self.predictions[w] = pred
+        moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival,
+                                                             pending=True)))
         s1 = float(pred.survival[0])
         nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
         nxt[END] = 1.0 - s1
@@ -174,6 +183,7 @@ class PBKVPolicy(Policy):
         self.history.pop(workflow, None)
         self.contexts.pop(workflow, None)
         self.hiddens.pop(workflow, None)
+        self.predictions.pop(workflow, None)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
                 self.retired[node.id] = node

@@ -102,6 +102,13 @@ class ReuseScores:
             self.total_v1[a] -= v1[a]
         return [a for a in range(len(q)) if q[a] > 0.01 * max(1.0, abs(self.total_q[a]))]
 
+    def class_of(self, agent: str) -> int:
+        """The predictor's class index of `agent` (unknown agents: the last class, UNK)."""
+        try:
+            return self.classes.index(agent)
+        except ValueError:
+            return len(self.classes) - 1
+
     def agent_bits_of(self, classes: list[int]) -> int:
         """Mask of the tree agent bits that map to any of `classes`."""
         self._extend_bits()
