@@ -147,9 +147,13 @@ class PBKVPolicy(Policy):
         w = event.workflow
         self.next_use.timing.call_end(w, event.agent, event.now)
         pred = self.predictions.get(w)
-        if pred is not None:
-            moved = self.next_use.update(w, event.agent, event.now, pred.probs, pred.survival, pending=False)
-            self._rerank(w, moved)
+        if pred is None:
+            return
+        moved = self.next_use.update(w, event.agent, event.now, pred.probs, pred.survival, pending=False)
+        # Only the ended call's agent moved much (from "now" to its predicted next call); the
+        # other agents' times shift by under a call, not worth re-ranking (policy time).
+        current = [c for c in moved if c == self.scores.class_of(event.agent)]
+        self._rerank(w, current, only=self.scores.agent_bits_of(current))
 
     def on_prefill(self, event: CallEvent) -> None:
         if not self.reads_hidden or event.hidden is None or event.workflow not in self.history:
@@ -250,13 +254,14 @@ class PBKVPolicy(Policy):
                 del self.retired[node_id]
         return total
 
-    def _rerank(self, workflow: int | None, moved_classes: list[int]) -> None:
-        """New predictions change the scores of the workflow's nodes and of common nodes
-        whose agents' totals moved; re-rank those that are eviction candidates."""
+    def _rerank(self, workflow: int | None, moved_classes: list[int], only: int = -1) -> None:
+        """New predictions change the scores of the workflow's nodes (those it used for an
+        agent in the `only` bit mask) and of common nodes whose agents' totals moved; re-rank
+        those that are eviction candidates."""
         cache = self.cache
-        if workflow is not None:
+        if workflow is not None and only:
             for node in cache.tree.workflow_nodes.get(workflow, {}).values():
-                if node.alive:
+                if node.alive and node.wf_agents.get(workflow, -1) & only:
                     cache.refresh(node)
         if moved_classes:
             mask = self.scores.agent_bits_of(moved_classes)
