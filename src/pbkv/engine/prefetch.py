@@ -13,6 +13,8 @@ def prepare_prefetches(cache: TieredCache, wanted: list[Node], budget: int, allo
     left of `budget` and has no node locked or `busy` (in flight, lost); the caller starts each
     transfer. Nodes that cannot get room are skipped; the budget only pays for prepared moves."""
     for node in wanted:
+        if not node.alive:  # an earlier move's eviction cascade dropped it (host full)
+            continue
         segment = cache.below_device(node)
         tokens = sum(n.tokens for n in segment)
         if not segment or tokens > budget or any(n.lock or busy(n) for n in segment):
