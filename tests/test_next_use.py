@@ -93,3 +93,22 @@ def test_admission_into_a_full_tier_only_above_its_next_victim():
     cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
     assert resident(cache) == {"HOST": ["Ya"]}
     cache.check()
+
+
+def test_class_extremes_stay_exact_over_updates_and_removals():
+    import random
+    rng = random.Random(3)
+    scores = ReuseScores(horizon=2)
+    scores.update(0, ["a", "b", "<unk>"], [[1, 0, 0], [0, 1, 0]], [1.0, 1.0])
+    nu = NextUse(scores, horizon=2)
+    for i in range(300):
+        w = rng.randrange(6)
+        if rng.random() < 0.2:
+            nu.remove(w)
+        else:
+            probs = [[rng.random() for _ in range(3)] for _ in range(2)]
+            probs = [[x / sum(r) for x in r] for r in probs]
+            nu.update(w, rng.choice("ab"), float(i), probs, [rng.random(), 0.0], pending=rng.random() < .5)
+        for a in range(3):
+            assert nu.first[a] == min((v[a] for v in nu.when.values()), default=float("inf"))
+            assert nu.pmax[a] == max((v[a] for v in nu.prob.values()), default=0.0)

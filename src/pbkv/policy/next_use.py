@@ -92,6 +92,7 @@ class NextUse:
         self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
         self.first: list[float] = []             # per class: earliest E(a) over workflows
         self.pmax: list[float] = []              # per class: largest p(a) over workflows
+        self.holder: list[tuple] = []            # per class: the workflows holding first, pmax
 
     def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:
         """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
@@ -126,14 +127,14 @@ class NextUse:
         for a in range(n):
             when[a] += (1.0 - prob[a]) * far
         self.when[workflow], self.prob[workflow] = when, prob
-        return self._refresh_classes()
+        return self._refresh_classes(workflow)
 
     def remove(self, workflow: int) -> list[int]:
         self.timing.forget(workflow)
         if self.when.pop(workflow, None) is None:
             return []
         self.prob.pop(workflow, None)
-        return self._refresh_classes()
+        return self._refresh_classes(workflow)
 
     def of(self, node: Node) -> tuple[float, float]:
         """(expected next-use time, reuse probability within the horizon) of `node`;
@@ -142,38 +143,59 @@ class NextUse:
         if not scores.classes:
             return INF, 0.0
         scores._extend_bits()
-        cob = scores._class_of_bit
         if scores.is_common(node):
-            cls = {cob[b] for b in bits(node.agent_mask)}
+            cls = scores._classes_in(node.agent_mask)
             if not cls or len(self.first) != len(scores.classes):
                 return INF, 0.0
             return min(self.first[c] for c in cls), max(self.pmax[c] for c in cls)
         best, p = INF, 0.0
+        n = len(scores.classes)
         for w, mask in node.wf_agents.items():
             when = self.when.get(w)
-            if when is None or len(when) != len(scores.classes):
+            if when is None or len(when) != n:
                 continue
             prob = self.prob[w]
-            for b in bits(mask):
-                c = cob[b]
+            for c in scores._classes_in(mask):
                 if when[c] < best:
                     best = when[c]
                 if prob[c] > p:
                     p = prob[c]
         return best, p
 
-    def _refresh_classes(self) -> list[int]:
+    def _refresh_classes(self, changed: int) -> list[int]:
+        """Keep `first` and `pmax` (over workflows, per class) after workflow `changed` moved;
+        a class is recomputed over all workflows only when `changed` held one of its extremes
+        (else its new values can only improve them). Returns the classes that moved."""
         n = len(self.scores.classes)
-        first, pmax = [INF] * n, [0.0] * n
-        for w, when in self.when.items():
-            if len(when) != n:   # predicted before a retrained predictor changed the classes
-                continue
-            prob = self.prob[w]
-            for a in range(n):
-                if when[a] < first[a]:
-                    first[a] = when[a]
-                if prob[a] > pmax[a]:
-                    pmax[a] = prob[a]
-        old = self.first if len(self.first) == n else [INF] * n
-        self.first, self.pmax = first, pmax
-        return [a for a in range(n) if old[a] != first[a]]
+        if len(self.first) != n:
+            self.first, self.pmax, self.holder = [INF] * n, [0.0] * n, [(None, None)] * n
+            return self._recompute(range(n))
+        when, prob = self.when.get(changed), self.prob.get(changed)
+        moved, stale = [], []
+        for a in range(n):
+            if changed in self.holder[a]:
+                stale.append(a)
+            elif when is not None and (when[a] < self.first[a] or prob[a] > self.pmax[a]):
+                if when[a] < self.first[a]:
+                    self.first[a], self.holder[a] = when[a], (changed, self.holder[a][1])
+                if prob[a] > self.pmax[a]:
+                    self.pmax[a], self.holder[a] = prob[a], (self.holder[a][0], changed)
+                moved.append(a)
+        return moved + self._recompute(stale)
+
+    def _recompute(self, classes) -> list[int]:
+        n = len(self.scores.classes)
+        moved = []
+        for a in classes:
+            first, pmax, holder = INF, 0.0, [None, None]
+            for w, when in self.when.items():
+                if len(when) != n:   # predicted before a retrained predictor changed the classes
+                    continue
+                if when[a] < first:
+                    first, holder[0] = when[a], w
+                if self.prob[w][a] > pmax:
+                    pmax, holder[1] = self.prob[w][a], w
+            if first != self.first[a] or pmax != self.pmax[a]:
+                moved.append(a)
+            self.first[a], self.pmax[a], self.holder[a] = first, pmax, tuple(holder)
+        return moved
