@@ -79,6 +79,7 @@ class PBKVPolicy(Policy):
         self.contexts: dict[int, list[str | None]] = {}
         self.hiddens: dict[int, object] = {}      # workflow -> hidden state of its latest prefill
         self.predictions: dict = {}               # workflow -> its latest Prediction
+        self.version: dict[int, int] = {}         # workflow -> count of its predictions
         cfg = getattr(self.predictor, "cfg", None) or getattr(getattr(self.predictor, "inner", None), "cfg", None)
         self.reads_hidden = bool(cfg is not None and cfg.uses_context and cfg.context_dim > 0)
         self.expected: dict[int, tuple[str, dict[str, float]]] = {}  # workflow -> (agent, next event)
@@ -170,6 +171,7 @@ class PBKVPolicy(Policy):
             pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
         self.predictions[w] = pred
+        self.version[w] = self.version.get(w, 0) + 1
         moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival,
                                                              pending=True)))
         s1 = float(pred.survival[0])
@@ -188,6 +190,7 @@ class PBKVPolicy(Policy):
         self.contexts.pop(workflow, None)
         self.hiddens.pop(workflow, None)
         self.predictions.pop(workflow, None)
+        self.version.pop(workflow, None)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
                 self.retired[node.id] = node
@@ -205,8 +208,20 @@ class PBKVPolicy(Policy):
             if not node.alive or node.tier == Tier.DEVICE:
                 del self.offloaded[node_id]
             elif node.wf_agents or self.scores.is_common(node):
-                candidates.append((self.scores.one_step(node), node))
+                candidates.append((self._one_step(node), node))
         return conservative_prefetch.plan(candidates, request.budget_tokens, space)
+
+    def _one_step(self, node: Node) -> float:
+        """`scores.one_step`, memoised on a private node until its workflow's next prediction
+        (prefetch scans every offloaded node at every decode-only batch: policy time)."""
+        if len(node.wf_agents) != 1 or self.scores.is_common(node):
+            return self.scores.one_step(node)
+        (w, mask), = node.wf_agents.items()
+        stamp = (w, mask, self.version.get(w))
+        memo = node.policy_data
+        if memo is None or memo[0] != stamp:
+            memo = node.policy_data = (stamp, self.scores.one_step(node))
+        return memo[1]
 
     # ---------------------------------------------------------------- feedback
 
