@@ -74,12 +74,16 @@ def test_order_retired_then_dead_then_farthest_next_use():
     assert eviction_order(cache) == labels("Ra", "Xc", "Zb", "Ya")
 
 
-def test_admission_drops_retired_and_dead_and_host_keeps_soonest():
+def test_host_ranks_like_the_device_and_dead_nodes_only_fill_free_space():
     cache, pol = scenario()
     cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
-    # retired and dead nodes are not written down; the host ranks by next use too
+    # room for all: everything is written down, and the host ranks as the device did
+    assert cache.candidates(Tier.HOST) == [cache.tree.match(ids(p))[0] for p in ("Ra", "Xc", "Zb", "Ya")]
+    cache, pol = scenario(host=4)   # room for two of the four 2-block nodes
+    cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
+    # Ra and Xc filled the free host space; Zb and Ya (predicted reuse) displaced them
     assert resident(cache) == {"HOST": ["Ya", "Zb"]}
-    assert cache.candidates(Tier.HOST) == [cache.tree.match(ids(p))[0] for p in ("Zb", "Ya")]
+    cache.check()
 
 
 def test_admission_into_a_full_tier_only_above_its_next_victim():

@@ -8,11 +8,11 @@ node):
   3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
      predictions: expected next-use time, in seconds, from the K-step agent distributions,
      survival, and per-agent call durations and tool waits learned online), ties by LRU.
-Admission (`keep_on_evict`): an evicted node is written down a tier only if it may be reused:
-retired and predicted-dead nodes are dropped, and when the tier below is full a node goes
-there only if it outranks that tier's next victim (else the write would evict something
-worth more). Why one rule at every tier: with a host tier under pressure, what the host keeps
-and drops decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
+Admission (`keep_on_evict`): an evicted node fills free space in the tier below; when that
+tier is full it goes there only if it outranks the tier's next victim (else the write would
+evict something worth more), so retired and predicted-dead nodes never displace anything.
+Why one rule at every tier: with a host tier under pressure, what the host keeps and drops
+decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
 Prefetch: `conservative_prefetch.py`, ranked by the one-step reuse value (`reuse_score.py`).
 Predictions are refreshed at every call.
 
@@ -107,15 +107,17 @@ class PBKVPolicy(Policy):
         return (2, -when, node.last_access)
 
     def keep_on_evict(self, node: Node) -> bool:
-        """Write `node` down a tier only if it may be reused and outranks what it would evict."""
+        """Write `node` down a tier into free space, or over the tier's next victim when it
+        outranks it; a retired or predicted-dead node never displaces anything (free space
+        costs nothing to fill, and a wrong "dead" guess then costs a load, not a recompute)."""
         if not self.use_scores or self.level == 0:
+            return True
+        below = Tier(node.tier + 1)
+        if self.cache.free(below) >= node.tokens:
             return True
         key = self.priority(node)
         if key[0] < 2:   # retired or predicted dead
             return False
-        below = Tier(node.tier + 1)
-        if self.cache.free(below) >= node.tokens:
-            return True
         victim = self.cache.next_victim(below)
         return victim is None or key > self.priority(victim)
 
