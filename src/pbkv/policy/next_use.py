@@ -3,12 +3,16 @@
 For a running workflow w, predicted at the start of its call s (at time `now`), with P_k the
 distribution of the agent of call s+k (given it happens) and s_k the probability it happens:
 
-    u_k(a)  = s_k * P_k[a]                            (call s+k is made by agent a)
-    f_k(a)  = u_k(a) * prod_{j<k} (1 - u_j(a))        (agent a's first call is call s+k)
-    p(a)    = sum_k f_k(a)                            (a calls again within the horizon K)
+    u_k(a)  = s_k * sum_{b in R(a)} P_k[b]            (call s+k reads cache written by a)
+    f_k(a)  = u_k(a) * prod_{j<k} (1 - u_j(a))        (the first such call is call s+k)
+    p(a)    = sum_k f_k(a)                            (a's cache is read within the horizon K)
     t_k     = now + d(cur) + sum_{j<=k} g_j + sum_{j<k} d_j   (expected issue time of call s+k)
     E(a)    = sum_k f_k(a) t_k + (1 - p(a)) * far     (expected next-use time of a's cache)
 
+R(a), the readers of agent a's cache, is a itself plus every agent seen (online) arriving at a
+cached path that a's calls of the same workflow used: a workflow whose prompts all extend one
+conversation (tool-calling agents) has every agent read every other's cache, while agents
+with their own prompts (a planner, a verifier) read only their own.
 d and g are per-agent call durations (call arrival to end, queueing included) and tool waits
 (end of a workflow's call to its next call's arrival), learned online from the call events
 (`Timing`); d_j, g_j are their expectations under P_j. `far` stands for "not within the
@@ -93,6 +97,27 @@ class NextUse:
         self.first: list[float] = []             # per class: earliest E(a) over workflows
         self.pmax: list[float] = []              # per class: largest p(a) over workflows
         self.holder: list[tuple] = []            # per class: the workflows holding first, pmax
+        self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
+
+    def observe_read(self, workflow: int, agent: str, node: Node) -> None:
+        """A call of `agent` arrived with its prompt's cached path ending at `node`: the agents
+        whose calls of this workflow used that node wrote cache that `agent` reads. (Each agent
+        reads its own cache by default; in a workflow whose prompts all extend one
+        conversation, every agent reads every other's.)"""
+        mask = node.wf_agents.get(workflow, 0) if node.alive else 0
+        if not mask:
+            return
+        names = self.scores.classes
+        for c in self.scores._classes_in(mask):
+            if c < len(names) and names[c] != agent:
+                self.readers.setdefault(names[c], set()).add(agent)
+
+    def _groups(self) -> list[list[int]]:
+        """Per class: the classes whose calls read its cache (itself first)."""
+        names = self.scores.classes
+        index = {name: i for i, name in enumerate(names)}
+        return [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
+                for a, name in enumerate(names)]
 
     def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:
         """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
@@ -106,18 +131,21 @@ class NextUse:
         dur = [timing.of(timing.duration, c) for c in classes]
         wait = [timing.of(timing.wait, c) for c in classes]
         n = len(classes)
+        groups = self._groups()
         when, prob, none = [0.0] * n, [0.0] * n, [1.0] * n
         t = now
         if pending:
             t += timing.of(timing.duration, agent)       # expected end of the running call
             current = self.scores.class_of(agent)
-            when[current], prob[current], none[current] = now, 1.0, 0.0
+            for a in range(n):
+                if current in groups[a]:
+                    when[a], prob[a], none[a] = now, 1.0, 0.0
         steps = min(self.horizon, len(survival))
         for k in range(steps):
             row, s = probs[k], float(survival[k])
             issue = t + sum(float(row[a]) * wait[a] for a in range(n))
             for a in range(n):
-                f = none[a] * s * float(row[a])
+                f = none[a] * s * sum(float(row[b]) for b in groups[a])
                 when[a] += f * issue
                 prob[a] += f
                 none[a] -= f

@@ -108,18 +108,15 @@ class PBKVPolicy(Policy):
 
     def keep_on_evict(self, node: Node) -> bool:
         """Write `node` down a tier into free space, or over the tier's next victim when it
-        outranks it; a retired or predicted-dead node never displaces anything (free space
+        outranks it: a retired or predicted-dead node never displaces a live one (free space
         costs nothing to fill, and a wrong "dead" guess then costs a load, not a recompute)."""
         if not self.use_scores or self.level == 0:
             return True
         below = Tier(node.tier + 1)
         if self.cache.free(below) >= node.tokens:
             return True
-        key = self.priority(node)
-        if key[0] < 2:   # retired or predicted dead
-            return False
         victim = self.cache.next_victim(below)
-        return victim is None or key > self.priority(victim)
+        return victim is None or self.priority(node) > self.priority(victim)
 
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
@@ -141,6 +138,7 @@ class PBKVPolicy(Policy):
         self._observe(w, agent)
         self._observe_match(event.node)
         self.next_use.timing.call_start(w, agent, event.now)
+        self.next_use.observe_read(w, agent, event.node)
         self.history[w].append(agent)
         self.contexts[w].append(event.call.context if event.call is not None else None)
         self._predict(w, agent, self.hiddens.get(w), event.now)
