@@ -105,9 +105,10 @@ class NextUse:
         reads its own cache by default; in a workflow whose prompts all extend one
         conversation, every agent reads every other's.)"""
         mask = node.wf_agents.get(workflow, 0) if node.alive else 0
-        if not mask:
-            return
         names = self.scores.classes
+        if not mask or not names:   # nothing used it yet, or no predictor (no classes)
+            return
+        self.scores._extend_bits()
         for c in self.scores._classes_in(mask):
             if c < len(names) and names[c] != agent:
                 self.readers.setdefault(names[c], set()).add(agent)
