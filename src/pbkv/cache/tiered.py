@@ -121,6 +121,11 @@ class TieredCache:
         return (node.alive and node.tier == tier and node.lock == 0
                 and node.same_tier_children == 0)
 
+    def next_victim(self, tier: Tier) -> Node | None:
+        """The node `evict(tier, ...)` would take first now, or None (an admission check:
+        is a node worth more than what writing it into `tier` would push out?)."""
+        return self.index[tier].peek(lambda n: self.is_candidate(n, tier))
+
     def candidates(self, tier: Tier) -> list[Node]:
         """Current eviction order of `tier` (slow: for tests, prefetch planning and reports)."""
         return self.index[tier].peek_all(lambda n: self.is_candidate(n, tier))
