@@ -60,6 +60,13 @@ def nominal_duration(cost: CostModel, concurrency: int | None) -> callable:
     return duration
 
 
+def cost_hints(cost: CostModel) -> dict:
+    """What a token costs to get back on the device, for policies that weigh it (Continuum)."""
+    n = 4096
+    return {"recompute_token_seconds": cost.prefill_seconds(cost.prefill_flops(n, n)) / n,
+            "load_token_seconds": cost.load_seconds([0, n, 0]) / n}
+
+
 def check_fits(workload: Workload, device_tokens: int) -> None:
     for calls in workload.workflows:
         for c in calls:
@@ -79,7 +86,7 @@ def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
         from pbkv.predict.cached import CachedPredictor  # same answers, batched ahead of the run
         predictors = {v: CachedPredictor(p, workload.workflows) for v, p in predictors.items()}
     ctx = PolicyContext(block_size=workload.trace.block_size, agent_graph=workload.agent_graph,
-                        static_sequence=workload.static_sequence, options=cfg.options,
+                        static_sequence=workload.static_sequence, options={**cost_hints(cost), **cfg.options},
                         predictors=predictors)
     if needs_future(cfg.policy):
         ctx.future = Future(workload.workflows, workload.trace.block_size, cfg.concurrency,

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pbkv.bench import predictors as predictors_mod
+from pbkv.bench import regimes as regimes_mod
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.engine.profiles import load_profile
 from pbkv.trace import read_trace
 
-RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "calls",
+RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine", "workflows", "calls",
                "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
                "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
                "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
@@ -53,6 +54,8 @@ class SweepConfig:
     jobs: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
     options: dict = field(default_factory=dict)
     predictors: dict = field(default_factory=dict)   # (workload, variant) -> saved predictor dir
+    pressures: list[float] | str | None = None       # device / distinct prompt tokens; "auto": per workload
+    tiers: list[str] = field(default_factory=list)   # regimes.TIER_SETS; empty: from the profile / options
     engine: str = "sim"                              # sim | hf | vllm
     hf: object = None                                # pbkv.bench.hf_run.HFConfig when engine == "hf"
     vllm: object = None                              # pbkv.bench.vllm_run.VLLMConfig when engine == "vllm"
@@ -70,7 +73,7 @@ def load_workload(source: Source) -> Workload:
 
 
 def _run_one(args: tuple) -> dict:
-    source, policy, concurrency, cfg = args
+    source, policy, concurrency, cfg, regime = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         from pbkv.policy.registry import needed_predictor
@@ -84,20 +87,38 @@ def _run_one(args: tuple) -> dict:
         options["online_learner"] = predictors_mod.online_learner(source, options.pop("train_files", []),
                                                                    options.get("horizon", 3))
     run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile),
-                    device_tokens=cfg.device_tokens, host_tokens=cfg.host_tokens,
-                    disk_tokens=cfg.disk_tokens, options=options, predictors=predictors)
+                    device_tokens=regime.device_tokens, host_tokens=regime.host_tokens,
+                    disk_tokens=regime.disk_tokens, options=options, predictors=predictors)
     if cfg.engine == "hf":
         from pbkv.bench.hf_run import HFConfig, run_hf
         record = run_hf(load_workload(source), run, cfg.hf or HFConfig())
     else:
         record = simulate(load_workload(source), run)
-    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine)
+    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine,
+                  pressure=regime.pressure, tiers=regime.tiers)
     return record
+
+
+def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> list[regimes_mod.Regime]:
+    """The memory regimes one (workload, concurrency) cell runs in (vLLM: its own sizes only)."""
+    if cfg.engine == "vllm":
+        return [regimes_mod.Regime()]
+    pressures = cfg.pressures
+    if pressures == "auto":
+        pressures = regimes_mod.auto_pressures(load_workload(source), concurrency)
+    return regimes_mod.regimes(load_workload(source), pressures or [], cfg.tiers, cfg.device_tokens,
+                               cfg.host_tokens, cfg.disk_tokens)
+
+
+def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
+    """Every run, in record order: workload, concurrency, regime, policy."""
+    return [(s, p, c, cfg, rg) for s in cfg.sources for c in cfg.concurrency
+            for rg in sweep_regimes(cfg, s, c) for p in cfg.policies]
 
 
 def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
     """Run every configuration; `on_done(record)` is called as each finishes (any order)."""
-    jobs = [(s, p, c, cfg) for s in cfg.sources for c in cfg.concurrency for p in cfg.policies]
+    jobs = sweep_jobs(cfg)
     results: list[dict | None] = [None] * len(jobs)
     # real-engine runs go one after another in this process: one model load, and wall times
     # not distorted by a second run competing for the cores
@@ -117,15 +138,18 @@ def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
 
 
 def finish_records(records: list[dict]) -> list[dict]:
-    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records, round floats.
+    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records (against LRU in
+    the same workload, concurrency and regime), round floats.
     On vLLM (`engine` "vllm") the baseline is vLLM alone (policy "vllm") instead of LRU."""
     def baseline(r):
         return "vllm" if r.get("engine") == "vllm" else "lru"
-    lru = {(r["workload"], r["concurrency"]): r for r in records if r["policy"] == baseline(r)}
+    def cell(r):
+        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers")
+    lru = {cell(r): r for r in records if r["policy"] == baseline(r)}
     out = []
     for r in records:
         rec = {k: r[k] for k in RECORD_KEYS if k in r}
-        base = lru.get((r["workload"], r["concurrency"]))
+        base = lru.get(cell(r))
         if base is not None and r["policy"] != baseline(r):
             rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / max(r["mean_workflow_latency_s"], 1e-12)
             rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from pbkv.cache import Move, Node, TieredCache
+from pbkv.cache import Move, Node, Tier, TieredCache
 
 
 def prepare_prefetches(cache: TieredCache, wanted: list[Node], budget: int, allow_evict: bool,
                        busy: Callable[[Node], bool]) -> Iterator[tuple[Move, int]]:
     """Yield (prepared move, tokens) for each wanted node whose off-device segment fits what is
     left of `budget` and has no node locked or `busy` (in flight, lost); the caller starts each
-    transfer. Nodes that cannot get room, or were dropped meanwhile, are skipped; the budget only pays for prepared moves."""
+    transfer. Nodes that cannot get room, or were dropped meanwhile, are skipped; the budget
+    only pays for prepared moves."""
     for node in wanted:
+        if budget <= 0:
+            return
         if not node.alive:  # dropped while an earlier prefetch made room (its host copy was evicted)
+            continue
+        if not allow_evict and node.tokens > cache.free(Tier.DEVICE):  # its segment cannot fit
             continue
         segment = cache.below_device(node)
         tokens = sum(n.tokens for n in segment)
         if not segment or tokens > budget or any(n.lock or busy(n) for n in segment):
+            continue
+        if not allow_evict and tokens > cache.free(Tier.DEVICE):  # cannot fit: skip the pin/unpin
             continue
         move = cache.prepare_load(segment, keep_lock=False, allow_evict=allow_evict)
         if move is None:
