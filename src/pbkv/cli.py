@@ -51,8 +51,10 @@ PREDICTOR_HELP = "Policies that predict (pbkv*) need a predictor: trained on --t
 def bench(
     workload: str = typer.Option(DEFAULT_WORKLOADS, help="Built-in workload names or spec files, comma-separated."),
     trace: Optional[list[Path]] = typer.Option(None, help="Replay these trace files instead of generating (repeatable)."),
-    policies: str = typer.Option("lru,kvflow,pbkv,oracle", help="Policies to compare, comma-separated (LRU and the oracle are always added)."),
-    concurrency: str = typer.Option("16,32,64,96", help="Concurrent workflows to sweep ('open': by trace t)."),
+    policies: str = typer.Option("lru,kvflow,continuum,scalesim,arc,slru,pbkv,oracle", help="Policies to compare, comma-separated (LRU and the oracle are always added)."),
+    concurrency: str = typer.Option("64", help="Concurrent workflows to sweep ('open': by trace t)."),
+    pressure: str = typer.Option("auto", help="Device capacity as a fraction of the replay's distinct prompt tokens, comma-separated (e.g. 0.02,0.05,0.1); 'auto': chosen from each workload's working set (the default run's regimes); 'profile': the profile's device. --device-tokens wins."),
+    tiers: str = typer.Option("auto", help="Tier sets to run, comma-separated: device (vLLM-like), device+host (host 2x device, HiCache-like), device+host+disk; 'auto': the default run's pairs with --pressure auto, else the profile's tiers."),
     profile: str = typer.Option("a6000-qwen3-32b", help="Built-in profile name or a profile JSON file."),
     device_tokens: Optional[int] = typer.Option(None, min=1, help="Device KV capacity in tokens (default: from the profile)."),
     host_tokens: Optional[int] = typer.Option(None, min=0, help="Host KV capacity (default: profile host_ratio x device)."),
@@ -84,7 +86,18 @@ def bench(
         vllm = _vllm_config(vllm_python, model_path, scale, output_scale, device_tokens, host_tokens, disk_tokens,
                             seed)
     _run_bench(workload, trace, _split(policies), concurrency, profile, device_tokens, host_tokens, disk_tokens,
-               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf, vllm=vllm)
+               workflows, seed, train, model, horizon, online, engine, jobs, out, json_path, hf=hf, vllm=vllm,
+               regimes=_regime_args(pressure, tiers))
+
+
+def _regime_args(pressure: str, tiers: str) -> dict:
+    """--pressure and --tiers, validated (clear error, exit 2)."""
+    from pbkv.bench.regimes import parse_pressures, parse_tiers
+    try:
+        press = pressure if pressure == "auto" else None if pressure == "profile" else parse_pressures(pressure)
+        return {"pressures": press, "tiers": [] if tiers == "auto" else parse_tiers(tiers)}
+    except ValueError as e:
+        _fail(str(e))
 
 
 def _vllm_config(python, model_path, scale, output_scale, device_tokens, host_tokens, disk_tokens, seed):
@@ -144,7 +157,8 @@ def ablate(
 
 
 def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, host_tokens, disk_tokens, workflows,
-               seed, train, model, horizon, online, engine, jobs, out, json_path, hf=None, vllm=None) -> None:
+               seed, train, model, horizon, online, engine, jobs, out, json_path, hf=None, vllm=None,
+               regimes=None) -> None:
     from pbkv.bench.main import BenchArgs, run
     from pbkv.bench.predictors import PredictorSource
     from pbkv.bench.sweep import source_from_arg
@@ -163,7 +177,7 @@ def _run_bench(workload, trace, policies, concurrency, profile, device_tokens, h
         options.update(online=True, train_files=[str(t) for t in train or []])
     args = BenchArgs(sources=sources, policies=policies, concurrency=_concurrency(concurrency), profile=profile,
                      device_tokens=device_tokens, host_tokens=host_tokens, disk_tokens=disk_tokens, jobs=jobs,
-                     out=out, json_path=json_path, options=options, engine=engine, hf=hf, vllm=vllm,
+                     out=out, json_path=json_path, options=options, engine=engine, hf=hf, vllm=vllm, **(regimes or {}),
                      predictor=PredictorSource(model=str(model) if model else None,
                                                train=tuple(str(t) for t in train or []), horizon=horizon or 3))
     try:

@@ -96,6 +96,10 @@ def _with_tiers(pressure, tiers, device, host, disk) -> Regime:
 
 
 AUTO_SHARES = (0.06, 0.15)  # device as a share of the running workflows' working set
+# The default run: where each tier set shows differences between policies on the built-in
+# workloads (measured: with a host tier of 2x the device, the oracle gains most when the device
+# holds ~6% of the working set; with the device alone, at ~15%).
+AUTO_REGIMES = (("device", 0.15), ("device+host", 0.06))
 
 
 def workflow_tokens(workload) -> float:
@@ -111,12 +115,18 @@ def workflow_tokens(workload) -> float:
     return total / max(1, len(workload.workflows))
 
 
-def auto_pressures(workload, concurrency: int | None) -> list[float]:
-    """Pressure points where policies differ, from the working set of `concurrency` running
-    workflows (concurrency x one workflow's distinct tokens): the device holds 6% and 15% of it.
-    (Measured on the built-in workloads with a host tier of 2x: the oracle gains >= 5% over LRU
-    at one or both points; at the profile's full GPU it gains nothing.)"""
+def auto_regimes(workload, concurrency: int | None, tiers: list[str], host_tokens: int | None = None,
+                 disk_tokens: int | None = None) -> list[Regime]:
+    """Regimes chosen from the working set of `concurrency` running workflows (concurrency x one
+    workflow's distinct prompt tokens), not from a GPU's size: `AUTO_REGIMES` when no tier set
+    is given, else both `AUTO_SHARES` for each given tier set. Pressures are reported as usual
+    (device / the replay's distinct prompt tokens)."""
     lanes = concurrency or 16
-    total = distinct_prompt_tokens(workload)
+    total, floor = distinct_prompt_tokens(workload), largest_call(workload)
     working = lanes * workflow_tokens(workload)
-    return [round(min(1.0, share * working / total), 4) for share in AUTO_SHARES]
+    pairs = AUTO_REGIMES if not tiers else [(t, share) for share in AUTO_SHARES for t in tiers]
+    out = []
+    for t, share in pairs:
+        device = max(floor, int(min(1.0, share * working / total) * total))
+        out.append(_with_tiers(round(device / total, 4), t, device, host_tokens, disk_tokens))
+    return out

@@ -103,11 +103,12 @@ def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> 
     """The memory regimes one (workload, concurrency) cell runs in (vLLM: its own sizes only)."""
     if cfg.engine == "vllm":
         return [regimes_mod.Regime()]
-    pressures = cfg.pressures
-    if pressures == "auto":
-        pressures = regimes_mod.auto_pressures(load_workload(source), concurrency)
-    return regimes_mod.regimes(load_workload(source), pressures or [], cfg.tiers, cfg.device_tokens,
-                               cfg.host_tokens, cfg.disk_tokens)
+    workload = load_workload(source)
+    if cfg.pressures == "auto" and cfg.device_tokens is None:
+        return regimes_mod.auto_regimes(workload, concurrency, cfg.tiers, cfg.host_tokens, cfg.disk_tokens)
+    pressures = [] if cfg.pressures == "auto" else cfg.pressures
+    return regimes_mod.regimes(workload, pressures or [], cfg.tiers, cfg.device_tokens, cfg.host_tokens,
+                               cfg.disk_tokens)
 
 
 def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
