@@ -316,12 +316,18 @@ def perf_policy(
 
 
 @perf_app.command("evict")
-def perf_evict(nodes: int = typer.Option(100_000, min=100), policy: str = typer.Option("lru")):
-    """Eviction cost per evicted node in a tree of NODES nodes (target <= 50 us)."""
+def perf_evict(nodes: int = typer.Option(100_000, min=1100), policy: str = typer.Option("lru"),
+               model: Optional[Path] = typer.Option(None, help="Predictor saved by `pbkv train` (pbkv policies; default: a Markov predictor fitted on the synthetic workflows).")):
+    """Eviction cost per evicted node in a tree of NODES nodes with live workflows (target <= 50 us)."""
     from pbkv.bench.perf import evict_speed
-    r = evict_speed(nodes, policy)
+    from pbkv.policy import UnknownPolicy
+    try:
+        r = evict_speed(nodes, policy, model=str(model) if model else None)
+    except (UnknownPolicy, ValueError) as e:
+        _fail(str(e))
+    used = f"; predictor: {r['predictor']}" if r["predictor"] else ""
     console.print(f"{r['evicted']} nodes evicted from a {r['nodes']:,}-node tree in {r['seconds'] * 1e3:.1f} ms: "
-                  f"{r['us_per_node']:.1f} us per evicted node ({policy})")
+                  f"{r['us_per_node']:.1f} us per evicted node ({policy}{used})")
 
 
 def _train_bar():

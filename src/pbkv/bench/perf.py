@@ -8,7 +8,7 @@ import time
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
 from pbkv.engine.profiles import load_profile
-from pbkv.policy import PolicyContext, make_policy
+from pbkv.policy import CallEvent, PolicyContext, make_policy
 
 
 def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, model: str | None = None) -> dict:
@@ -51,28 +51,72 @@ def _predictors(policy: str, model: str | None) -> dict:
     return {variant: load(model)} if variant else {}
 
 
-def evict_speed(nodes: int, policy: str, seed: int = 0) -> dict:
-    """Build a tree of `nodes` device nodes (one-block prompts under 1,000 shared prefixes),
-    then evict 10% of them one eviction call at a time, as an engine under pressure does."""
+AGENTS = ["a0", "a1", "a2", "a3", "a4"]
+
+
+def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None) -> dict:
+    """Build a tree of `nodes` device nodes (one-block prompts under 1,000 shared prefixes), each
+    a call of one of 100 live workflows over five agents (policies hear every call start and end,
+    so predicting policies keep live predictions: from `model`, or a Markov predictor fitted on
+    these workflows); then evict 10% of the nodes one eviction call at a time, as an engine under
+    pressure does. The time per evicted node includes the re-ranking the policy asks for."""
+    from pbkv.policy.registry import needed_predictor, needs_future
     rng = random.Random(seed)
-    block = 16
-    pol = make_policy(policy, PolicyContext(block_size=block, agent_graph={"START": ["a"]}))
+    block, prefixes, lanes = 16, 1000, 100
+    plan = [(rng.randrange(prefixes), i % lanes, AGENTS[(i // lanes) % len(AGENTS)])
+            for i in range(nodes - prefixes)]
+    calls = _synthetic_calls(plan, prefixes, lanes, block)
+    ctx = PolicyContext(block_size=block, agent_graph=_graph())
+    variant = needed_predictor(policy)
+    if variant:
+        ctx.predictors = {variant: _predictors(policy, model)[variant] if model else _markov(calls)}
+    if needs_future(policy):
+        from pbkv.policy.future import Future
+        ctx.future = Future(calls, block, lanes, lambda c: 1.0)
+    pol = make_policy(policy, ctx)
     cache = TieredCache(RadixTree(block), Capacities(device=nodes * block * 2, host=0), pol)
-    pol.bind(cache)
-    prefixes = 1000
-    next_id = prefixes
+    now = [0.0]
+    pol.bind(cache, lambda: now[0])
+    for w in range(lanes):
+        pol.on_workflow_start(w, f"w{w}")
     for p in range(prefixes):
         cache.reserve(block)
         cache.insert([p], block, float(p))
-    for i in range(nodes - prefixes):
-        p = rng.randrange(prefixes)
+    steps = [0] * lanes
+    for i, (p, w, agent) in enumerate(plan):
+        now[0] = float(prefixes + i)
+        call = calls[w][steps[w]]
+        start = CallEvent(w, agent, steps[w], call, cache.tree.match(call.hash_ids)[0], now[0])
+        pol.on_call_start(start)
         cache.reserve(block)
-        cache.insert([p, next_id], block, float(prefixes + i))
-        next_id += 1
+        leaf, _ = cache.insert(call.hash_ids, block, now[0])
+        cache.tree.touch(leaf, now[0], w, agent)
+        cache.refresh(leaf)
+        pol.on_call_end(CallEvent(w, agent, steps[w], call, leaf, now[0]))
+        steps[w] += 1
     assert len(cache.tree.index) == nodes
     evict = nodes // 10
-    start = time.perf_counter()
+    start_t = time.perf_counter()
     for _ in range(evict):
         cache.evict(Tier.DEVICE, block)
-    seconds = time.perf_counter() - start
-    return {"nodes": nodes, "evicted": evict, "seconds": seconds, "us_per_node": seconds / evict * 1e6}
+    seconds = time.perf_counter() - start_t
+    return {"nodes": nodes, "evicted": evict, "seconds": seconds, "us_per_node": seconds / evict * 1e6,
+            "predictor": (model or "markov (fitted on the synthetic workflows)") if variant else None}
+
+
+def _synthetic_calls(plan, prefixes: int, lanes: int, block: int) -> list[list]:
+    from pbkv.trace import Call
+    calls: list[list] = [[] for _ in range(lanes)]
+    for i, (p, w, agent) in enumerate(plan):
+        calls[w].append(Call(f"w{w}", len(calls[w]), agent, 2 * block, 1, [p, prefixes + i]))
+    return calls
+
+
+def _graph() -> dict[str, list[str]]:
+    chain = ["START", *AGENTS, "END"]
+    return {a: [b] for a, b in zip(chain, chain[1:])}
+
+
+def _markov(calls):
+    from pbkv.predict.markov import fit_markov_seqs
+    return fit_markov_seqs([[c.agent for c in wf] for wf in calls], horizon=3)
