@@ -103,6 +103,10 @@ def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> 
     """The memory regimes one (workload, concurrency) cell runs in (vLLM: its own sizes only)."""
     if cfg.engine == "vllm":
         return [regimes_mod.Regime()]
+    if cfg.engine == "hf" and cfg.pressures == "auto":  # the real engine sizes its (scaled) memory itself
+        return regimes_mod.regimes(None, [], cfg.tiers, cfg.device_tokens, cfg.host_tokens, cfg.disk_tokens)
+    if cfg.engine == "hf" and cfg.pressures:
+        raise ValueError("--pressure sizes the simulator's memory; with --engine hf give --device-tokens")
     workload = load_workload(source)
     if cfg.pressures == "auto" and cfg.device_tokens is None:
         return regimes_mod.auto_regimes(workload, concurrency, cfg.tiers, cfg.host_tokens, cfg.disk_tokens)
