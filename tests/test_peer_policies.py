@@ -193,3 +193,13 @@ def test_scalesim_prefetches_the_nearest_agents_nodes():
     assert cache.evict(Tier.DEVICE, cache.usage[Tier.DEVICE])   # everything written to host
     # b's nodes, one call away: the deeper ones first (loading one loads its path)
     assert [n.blocks[-1] for n in pol.prefetch(None)] == labels("P1", "P2", "P")
+
+
+def test_perf_evict_runs_every_policy_with_live_workflows():
+    from pbkv.bench.perf import evict_speed
+    from pbkv.policy import policy_names
+    for name in ["lru", "kvflow", "oracle", "pbkv", "continuum", "scalesim", "arc", "slru"]:
+        assert name in policy_names()
+        r = evict_speed(1500, name)
+        assert r["evicted"] == 150 and r["us_per_node"] > 0
+        assert (r["predictor"] is not None) == (name == "pbkv")
