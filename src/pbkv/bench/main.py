@@ -64,7 +64,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"))
     print_tables(records, console)
     for line in verdicts(records):
-        console.print(line, highlight=False)
+        console.print(line, markup=False, highlight=False)  # "[regime]" is text, not markup
     path = write_json(records, args.json_path or args.out / "bench.json")
     plots = write_plots(records, args.out)
     console.print(f"results: {path}" + "".join(f"\n         {p}" for p in plots))
