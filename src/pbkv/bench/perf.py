@@ -56,16 +56,19 @@ AGENTS = ["a0", "a1", "a2", "a3", "a4"]
 
 def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None) -> dict:
     """Build a tree of `nodes` device nodes (one-block prompts under 1,000 shared prefixes), each
-    a call of one of 100 live workflows over five agents (policies hear every call start and end,
-    so predicting policies keep live predictions: from `model`, or a Markov predictor fitted on
-    these workflows); then evict 10% of the nodes one eviction call at a time, as an engine under
+    the call of a workflow: 100 lanes run workflows of ten calls over five agents back to back,
+    and the policy hears every workflow start and end and every call start and end (predicting
+    policies keep live predictions: from `model`, or a Markov predictor fitted on these
+    workflows); then evict 10% of the nodes one eviction call at a time, as an engine under
     pressure does. The time per evicted node includes the re-ranking the policy asks for."""
     from pbkv.policy.registry import needed_predictor, needs_future
     rng = random.Random(seed)
-    block, prefixes, lanes = 16, 1000, 100
-    plan = [(rng.randrange(prefixes), i % lanes, AGENTS[(i // lanes) % len(AGENTS)])
-            for i in range(nodes - prefixes)]
-    calls = _synthetic_calls(plan, prefixes, lanes, block)
+    block, prefixes, lanes, length = 16, 1000, 100, 10
+    plan = []  # (prefix, workflow, step)
+    for i in range(nodes - prefixes):
+        lane, rnd = i % lanes, i // lanes
+        plan.append((rng.randrange(prefixes), (rnd // length) * lanes + lane, rnd % length))
+    calls = _synthetic_calls(plan, prefixes, block)
     ctx = PolicyContext(block_size=block, agent_graph=_graph())
     variant = needed_predictor(policy)
     if variant:
@@ -77,23 +80,22 @@ def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None
     cache = TieredCache(RadixTree(block), Capacities(device=nodes * block * 2, host=0), pol)
     now = [0.0]
     pol.bind(cache, lambda: now[0])
-    for w in range(lanes):
-        pol.on_workflow_start(w, f"w{w}")
     for p in range(prefixes):
         cache.reserve(block)
         cache.insert([p], block, float(p))
-    steps = [0] * lanes
-    for i, (p, w, agent) in enumerate(plan):
+    for i, (p, w, step) in enumerate(plan):
         now[0] = float(prefixes + i)
-        call = calls[w][steps[w]]
-        start = CallEvent(w, agent, steps[w], call, cache.tree.match(call.hash_ids)[0], now[0])
-        pol.on_call_start(start)
+        call = calls[w][step]
+        if step == 0:
+            pol.on_workflow_start(w, call.workflow_id)
+        pol.on_call_start(CallEvent(w, call.agent, step, call, cache.tree.match(call.hash_ids)[0], now[0]))
         cache.reserve(block)
         leaf, _ = cache.insert(call.hash_ids, block, now[0])
-        cache.tree.touch(leaf, now[0], w, agent)
+        cache.tree.touch(leaf, now[0], w, call.agent)
         cache.refresh(leaf)
-        pol.on_call_end(CallEvent(w, agent, steps[w], call, leaf, now[0]))
-        steps[w] += 1
+        pol.on_call_end(CallEvent(w, call.agent, step, call, leaf, now[0]))
+        if step == len(calls[w]) - 1:
+            pol.on_workflow_end(w, cache.end_workflow(w))
     assert len(cache.tree.index) == nodes
     evict = nodes // 10
     start_t = time.perf_counter()
@@ -104,11 +106,11 @@ def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None
             "predictor": (model or "markov (fitted on the synthetic workflows)") if variant else None}
 
 
-def _synthetic_calls(plan, prefixes: int, lanes: int, block: int) -> list[list]:
+def _synthetic_calls(plan, prefixes: int, block: int) -> list[list]:
     from pbkv.trace import Call
-    calls: list[list] = [[] for _ in range(lanes)]
-    for i, (p, w, agent) in enumerate(plan):
-        calls[w].append(Call(f"w{w}", len(calls[w]), agent, 2 * block, 1, [p, prefixes + i]))
+    calls: list[list] = [[] for _ in range(max(w for _, w, _ in plan) + 1)]
+    for i, (p, w, step) in enumerate(plan):
+        calls[w].append(Call(f"w{w}", step, AGENTS[step % len(AGENTS)], 2 * block, 1, [p, prefixes + i]))
     return calls
 
 
