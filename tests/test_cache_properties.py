@@ -186,3 +186,10 @@ def test_invariants_pbkv(ops, device, host, disk):
 @given(OPS, st.integers(6, 24), st.integers(0, 16), st.integers(0, 16))
 def test_invariants_pbkv_retired(ops, device, host, disk):
     run_ops("pbkv-retired", device * BLOCK, host * BLOCK, disk * BLOCK, ops)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["slru", "arc", "continuum", "scalesim"]), OPS, st.integers(6, 24), st.integers(0, 16),
+       st.integers(0, 16))
+def test_invariants_peers(policy, ops, device, host, disk):
+    run_ops(policy, device * BLOCK, host * BLOCK, disk * BLOCK, ops)
