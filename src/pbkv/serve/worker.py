@@ -249,7 +249,7 @@ class EngineWorker:
             if self.table.finish(job.run, self.clock()):
                 self._end_run(job.run)
         finally:
-            job.put(Done(reason, len(job.prompt_ids), completion, sum(hits.values()), job.error))
+            job.put(Done(reason, len(job.prompt_ids), completion, hits, job.error))
 
     def _record(self, job: Job, req: Request, completion: int) -> None:
         if self.recorder is None:
