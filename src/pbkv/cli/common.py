@@ -97,22 +97,32 @@ def fail(message: str) -> NoReturn:
 
 
 @contextmanager
-def exit_on_error():
+def exit_on_error(debug: bool | None = None):
     """The one place where known errors become `error: ...` and exit 2: bad values, unreadable
     files, traces, policies and predictors (ValueError, OSError), a model that cannot load, a
-    stuck engine, a failed vLLM worker. Anything else is a bug and keeps its traceback."""
+    stuck engine, a failed vLLM worker. Anything else is a bug: it keeps its traceback when
+    `debug` is None (the default) or True; with `debug=False` (a command's `--debug` off) it
+    becomes one line, `error: Type: message`, and exit 1, so a failed run is not a page of
+    traceback."""
     try:
         yield
-    except (typer.Exit, typer.Abort):
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
         raise
     except (ValueError, OSError) as e:  # TraceError, UnknownPolicy, PredictorLoadError are ValueErrors
         fail(str(e))
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - sorted below: known, or a bug shown short or in full
         from pbkv.bench.vllm_run import VLLMRunError
         from pbkv.engine.hf import EngineError, ModelLoadError  # imported here: it loads torch
         if isinstance(e, (ModelLoadError, EngineError, VLLMRunError)):
             fail(str(e))
-        raise
+        if debug is not False:
+            raise
+        console.print(f"[red]error:[/red] {escape(type(e).__name__)}: {escape(str(e))} "
+                      f"(run again with --debug for the traceback)", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+DebugOpt = Annotated[bool, typer.Option(help="On a failure, show the full traceback instead of a one-line error.")]
 
 
 def concurrency_list(value: str) -> list[int | None]:
