@@ -209,3 +209,89 @@ def test_a_kept_alive_connection_gets_a_fresh_header_timeout(srv):
     s.sendall(b"GET /health HTTP/1.1\r\n")              # then stalls mid-headers
     assert _read_all(s).startswith(b"HTTP/1.1 408")
     s.close()
+
+
+# ---------------------------------------------------------------- defect 1: one bad request among many
+
+def _co_run(srv, bodies: list[dict], refused: int = 0) -> list[httpx.Response]:
+    """POST every body to /v1/completions so that all are in flight before the engine runs any:
+    the engine thread is held until the last one was submitted (they share one batch);
+    `refused`: how many the HTTP layer answers itself (never submitted)."""
+    worker, release, held = srv.state.worker, threading.Event(), threading.Event()
+    counted, original = threading.Semaphore(0), worker._count
+
+    def count(delta):
+        original(delta)
+        if delta > 0:
+            counted.release()
+    worker._count = count
+    worker.call(lambda: (held.set(), release.wait(60)))
+    answers: list = [None] * len(bodies)
+
+    def send(i):
+        answers[i] = post(srv, "/v1/completions", {"model": "tiny", "ignore_eos": True, **bodies[i]})
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    try:
+        assert held.wait(30)
+        for t in threads:
+            t.start()
+        for _ in range(len(bodies) - refused):
+            assert counted.acquire(timeout=30)
+    finally:
+        worker._count = original
+        release.set()
+    for t in threads:
+        t.join(60)
+    return answers
+
+
+NORMAL = [{"prompt": f"normal request {i}", "max_tokens": 24, "temperature": 0} for i in range(4)]
+
+
+def _solo(srv) -> list[str]:
+    return [post(srv, "/v1/completions", {"model": "tiny", "ignore_eos": True, **b}).json()["choices"][0]["text"]
+            for b in NORMAL]
+
+
+def _assert_nothing_held(srv):
+    engine = on_engine(srv, lambda: srv.state.worker.engine)
+    assert srv.state.worker.in_flight == 0
+    assert on_engine(srv, lambda: (engine.cache.reserved, list(engine.cache.locked), engine.busy)) == (0, [0, 0, 0],
+                                                                                                      False)
+    assert all(run.in_flight == 0 for run in on_engine(srv, lambda: list(srv.state.worker.table.all_live())))
+
+
+def test_the_issue_requests_among_normal_ones(srv):
+    solo = _solo(srv)
+    bad = [{"prompt": "p", "max_tokens": 200, "temperature": 0.7, "seed": 18446744073709551616},
+           {"prompt": "p", "max_tokens": 50, "temperature": 0.7, "top_p": 1e-50},
+           {"prompt": "p", "max_tokens": 50, "temperature": 1e-45},
+           {"prompt": "p", "max_tokens": 50, "temperature": 3.0}]
+    answers = _co_run(srv, NORMAL[:2] + bad + NORMAL[2:], refused=1)
+    assert [a.status_code for a in answers] == [200] * 5 + [400] + [200, 200]
+    assert answers[5].json()["error"]["param"] == "temperature"
+    texts = [a.json()["choices"][0]["text"] for a in answers[:2] + answers[-2:]]
+    assert texts == solo
+    _assert_nothing_held(srv)
+
+
+def test_with_validation_bypassed_the_engine_still_isolates_the_failure(srv, monkeypatch):
+    """The old failure (multinomial on a NaN distribution) forced for one request's sampling:
+    it alone gets a 500 naming the error; the others are answered as if it were not there."""
+    import pbkv.engine.hf.execute as execute
+    real, marker = execute.sample, 0.987654
+
+    def sample(logits, temperature, top_p, gen):
+        if top_p == marker:
+            raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        return real(logits, temperature, top_p, gen)
+    solo = _solo(srv)
+    monkeypatch.setattr(execute, "sample", sample)
+    bad = {"prompt": "p", "max_tokens": 100, "temperature": 0.7, "top_p": marker, "workflow_id": "bad-wf"}
+    answers = _co_run(srv, NORMAL[:2] + [bad] + NORMAL[2:])
+    err = assert_openai_error(answers[2], 500)
+    assert err["code"] == "engine_error" and "invalid multinomial" in err["message"]
+    ok = answers[:2] + answers[3:]
+    assert [a.status_code for a in ok] == [200] * 4
+    assert [a.json()["choices"][0]["text"] for a in ok] == solo
+    _assert_nothing_held(srv)
