@@ -295,3 +295,21 @@ def test_with_validation_bypassed_the_engine_still_isolates_the_failure(srv, mon
     assert [a.status_code for a in ok] == [200] * 4
     assert [a.json()["choices"][0]["text"] for a in ok] == solo
     _assert_nothing_held(srv)
+
+
+def test_open_connections_are_capped(srv):
+    """uvicorn's `limit_concurrency` (--max-connections): with 2 connections open, a third's
+    request gets 503 while they stay; once they are gone requests are served again."""
+    config = srv.server.config
+    protocol = config.http_protocol_class
+    config.limit_concurrency, protocol.header_timeout = 3, 30.0   # read by each new connection
+    try:
+        held = [_raw(srv) for _ in range(2)]
+        for s in held:
+            s.sendall(b"GET /health HTTP/1.1\r\n")     # mid-headers, holding the connection
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
+        for s in held:
+            s.close()
+    finally:
+        config.limit_concurrency, protocol.header_timeout = srv.cfg.max_connections, srv.cfg.header_timeout
+    assert completion(srv).status_code == 200
