@@ -313,3 +313,22 @@ def test_open_connections_are_capped(srv):
     finally:
         config.limit_concurrency, protocol.header_timeout = srv.cfg.max_connections, srv.cfg.header_timeout
     assert completion(srv).status_code == 200
+
+
+def test_a_failure_of_shared_state_still_answers_every_job(srv, monkeypatch):
+    """A policy hook raising while a request ends (shared state: not isolated per request) leaves
+    that request ended in the engine but unanswered; the worker still answers it (500) and frees
+    its in-flight count and workflow, and the server goes on."""
+    policy = srv.state.worker.engine.policy
+    real, calls = policy.on_call_end, []
+
+    def on_call_end(event):
+        if not calls:
+            calls.append(event)
+            raise RuntimeError("policy hook failed")
+        return real(event)
+    monkeypatch.setattr(policy, "on_call_end", on_call_end)
+    err = assert_openai_error(completion(srv, workflow_id="hook-wf"), 500)
+    assert err["code"] == "engine_error" and "policy hook failed" in err["message"]
+    assert completion(srv).status_code == 200
+    _assert_nothing_held(srv)
