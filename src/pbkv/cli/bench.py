@@ -10,7 +10,7 @@ import typer
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
                              PredictorOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
-                             WorkflowsOpt, WorkloadOpt, check_exist, check_horizon, concurrency_list, console,
+                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, concurrency_list, console,
                              exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
@@ -55,6 +55,7 @@ def bench(
     jobs: JobsOpt = 2,
     out: OutOpt = Path("results/bench"),
     json_path: JsonOpt = None,
+    debug: DebugOpt = False,
 ):
     """Compare cache policies side by side on workloads or traces; print a table, save JSON and plots."""
     from pbkv.bench.main import BenchArgs
@@ -76,7 +77,7 @@ def bench(
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
-                                  horizon=horizon or 3), **regime_args(pressure, tiers)))
+                                  horizon=horizon or 3), **regime_args(pressure, tiers)), debug)
 
 
 def regime_args(pressure: str, tiers: str) -> dict:
@@ -100,6 +101,7 @@ def ablate(
     horizon: HorizonOpt = None,
     jobs: JobsOpt = 2,
     out: OutOpt = Path("results/ablate"),
+    debug: DebugOpt = False,
 ):
     """The ablation table in one command: lru, kvflow, pbkv-retired, pbkv-noprefetch, pbkv-history,
     pbkv-context, pbkv, oracle, side by side."""
@@ -113,7 +115,7 @@ def ablate(
         sources=sources(workload, trace, workflows, seed), policies=ABLATION,
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon,
-        predictor=PredictorSource(train=strs(train), horizon=horizon or 3)))
+        predictor=PredictorSource(train=strs(train), horizon=horizon or 3)), debug)
 
 
 def sources(workload: str, trace: list[Path] | None, workflows: int, seed: int) -> list:
@@ -124,9 +126,10 @@ def sources(workload: str, trace: list[Path] | None, workflows: int, seed: int) 
     return [source_from_arg(w, workflows, seed) for w in split(workload)]
 
 
-def run_bench(args) -> None:
+def run_bench(args, debug: bool = False) -> None:
+    """Run the sweep; a failure is one `error:` line (exit 1) unless `debug`."""
     from pbkv.bench.main import run
-    with exit_on_error():
+    with exit_on_error(debug):
         run(args, console)
 
 

@@ -99,25 +99,34 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 @contextmanager
-def exit_on_error():
+def exit_on_error(debug: bool | None = None):
     """The one place where known errors become a one-line `error: ...`: a malformed trace exits 1
     (TraceError, FILE:LINE in the message); bad values, unreadable files, policies and predictors
     (ValueError, OSError), a model that cannot load, a stuck engine or a failed vLLM worker exit 2.
-    Anything else is a bug and keeps its traceback."""
+    Anything else is a bug: it keeps its traceback when `debug` is None (the default) or True;
+    with `debug=False` (a command's `--debug` off) it becomes one line, `error: Type: message`,
+    and exit 1, so a failed run is not a page of traceback."""
     try:
         yield
-    except (typer.Exit, typer.Abort):
+    except (typer.Exit, typer.Abort, KeyboardInterrupt):
         raise
     except TraceError as e:  # the input file is bad, not the command line: exit 1, FILE:LINE in the message
         fail(str(e), code=1)
     except (ValueError, OSError) as e:  # UnknownPolicy, PredictorLoadError are ValueErrors
         fail(str(e))
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - sorted below: known, or a bug shown short or in full
         from pbkv.bench.vllm_run import VLLMRunError
         from pbkv.engine.hf import EngineError, ModelLoadError  # imported here: it loads torch
         if isinstance(e, (ModelLoadError, EngineError, VLLMRunError)):
             fail(str(e))
-        raise
+        if debug is not False:
+            raise
+        console.print(f"[red]error:[/red] {escape(type(e).__name__)}: {escape(str(e))} "
+                      f"(run again with --debug for the traceback)", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+DebugOpt = Annotated[bool, typer.Option(help="On a failure, show the full traceback instead of a one-line error.")]
 
 
 def concurrency_list(value: str) -> list[int | None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -37,6 +38,15 @@ def serve(
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.", min=1)] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body.", min=1)] = 1 << 20,
     max_queue: Annotated[int, typer.Option(help="Requests in flight before new ones get 429.", min=1)] = 1024,
+    max_connections: Annotated[int, typer.Option(help="Open connections (and requests) before new requests get 503.",
+                                                 min=1)] = 2048,
+    header_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a request's headers (from "
+                                                  "connecting, or from its first byte on a kept-alive connection) "
+                                                  "before the connection is closed.", min=0.001)] = 10.0,
+    body_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a request's whole body "
+                                                "(after its headers) before it gets 408.", min=0.001)] = 30.0,
+    keep_alive: Annotated[float, typer.Option(help="Seconds an idle kept-alive connection stays open.",
+                                              min=0.001)] = 5.0,
     threads: ThreadsOpt = 1,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ):
@@ -47,6 +57,8 @@ def serve(
     except ImportError as e:
         fail(f"pbkv serve needs the serve extra ({e.name} is missing): pip install 'pbkv[serve]'")
     from pbkv.cache import CacheConfig
+    if api_key is None and os.environ.get("PBKV_API_KEY") == "":  # click reads an empty variable as unset
+        api_key = ""                                               # refused below, with the flag's message
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
     cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None)
@@ -56,6 +68,7 @@ def serve(
                       online=online, learn_every=learn_every, learn_steps=learn_steps, learn_nice=learn_nice,
                       idle_timeout=idle_timeout, max_tokens_limit=max_tokens_limit,
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                      threads=threads)
+                      max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
+                      keep_alive=keep_alive, threads=threads)
     with exit_on_error():
         run(cfg, log_level=log_level)

@@ -19,6 +19,7 @@ class Request:
     sampling: Sampling | None = None
     on_token: Callable[[Request, int], bool] | None = None   # True: stop after this token
     finish_reason: str | None = None   # set once, right before on_done ("length", "stop", ...)
+    error: str | None = None           # with finish_reason "error": what failed ("Type: message")
     arrival: float = 0.0
     # cache state
     node: Node | None = None        # deepest locked node of its prompt (the request's pin)

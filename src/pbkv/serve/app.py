@@ -25,6 +25,7 @@ from pbkv.serve import schemas
 from pbkv.serve.auth import check_api_key, header_hint, read_json
 from pbkv.serve.errors import INVALID, APIError, bad_request, error_body, pydantic_errors
 from pbkv.serve.gauges import engine_snapshot
+from pbkv.serve.limits import BodyTimeout
 from pbkv.serve.generate import prepare, respond
 from pbkv.serve.metrics import CONTENT_TYPE, Metrics
 from pbkv.serve.tokenizer import Tokenizer
@@ -97,7 +98,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state
-    app.add_middleware(CountRequests, metrics=state.metrics)
+    app.add_middleware(BodyTimeout, seconds=state.config.body_timeout)
+    app.add_middleware(CountRequests, metrics=state.metrics)   # added last: outermost, counts the 408s too
     _error_handlers(app)
     _info_routes(app, state)
     _completion_routes(app, state)

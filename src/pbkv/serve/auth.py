@@ -2,9 +2,13 @@
 
 - API key: `Authorization: Bearer <key>` compared with `hmac.compare_digest` (time independent of
   where the strings differ). Without `--api-key` every request is allowed (the server binds
-  127.0.0.1 by default, so only local processes reach it).
+  127.0.0.1 by default, so only local processes reach it); an empty key is refused at start
+  (`server.build_state`), never taken as "no key".
 - Body: refused with 413 when `Content-Length` or the bytes actually received exceed the limit
-  (the body is read in chunks and never kept past the limit), 400 when it is not a JSON object.
+  (the body is read in chunks and never kept past the limit), 400 when it is not a JSON object,
+  is nested deeper than `MAX_DEPTH`, or holds a string that is not valid Unicode (a lone
+  surrogate such as "\ud800", which JSON escapes allow): every later step (pydantic, the
+  tokenizer, the recorder) may then assume nested-but-bounded data and encodable text.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from starlette.requests import Request
 from pbkv.serve.errors import bad_request, too_large, unauthorized
 from pbkv.serve.schemas import MAX_HINT_CHARS
 
+MAX_DEPTH = 64   # OpenAI bodies nest a few levels (messages -> content parts); deeper is a mistake or an attack
+
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    if not api_key:
+    if api_key is None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
@@ -42,9 +48,46 @@ async def read_json(request: Request, limit: int) -> dict:
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"We could not parse the JSON body of your request ({e}). Send a JSON object "
                           f"with 'Content-Type: application/json'.", None, "invalid_json") from None
+    except RecursionError:  # the parser recursed once per level: far past MAX_DEPTH
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}.", None, "invalid_json")
+    check_json_tree(data)
     return data
+
+
+def _too_deep():
+    return bad_request(f"The JSON body is nested deeper than {MAX_DEPTH} levels.", None, "invalid_json")
+
+
+def check_json_tree(data: object) -> None:
+    """400 unless `data` nests at most `MAX_DEPTH` levels and every string (keys included) is
+    valid Unicode. Iterative (no recursion, whatever the depth); names the first bad string's path."""
+    stack: list[tuple[object, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_DEPTH:
+                raise _too_deep()
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    _check_text(key, path)
+                stack.append((item, path + (str(key),), depth + 1))
+
+
+def _check_text(text: str, path: tuple) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        param = ".".join(path) or None
+        where = f" at '{param}'" if param else ""
+        raise bad_request(f"Invalid request{where}: the text holds a lone surrogate ({text[e.start]!r} at "
+                          f"character {e.start}); send valid Unicode (UTF-8).", param, "invalid_value") from None
 
 
 def header_hint(request: Request, name: str) -> str | None:

@@ -114,7 +114,7 @@ async def respond(state, request: Request, p: Prepared):
     text = p.echo + "".join(parts)
     build = schemas.chat_response if p.chat else schemas.completion_response
     return JSONResponse(build(rid, state.model_name, text, _finish(done.reason), done.prompt_tokens,
-                              done.completion_tokens))
+                              done.completion_tokens, done.cached))
 
 
 def _finish(reason: str) -> str:
@@ -161,7 +161,7 @@ async def _stream(state, p: Prepared, rid: str, start: float) -> AsyncIterator[s
             if p.stream_usage:
                 obj = "chat.completion.chunk" if p.chat else "text_completion"
                 yield _sse(schemas.usage_chunk(rid, model, created, obj, done.prompt_tokens,
-                                               done.completion_tokens))
+                                               done.completion_tokens, done.cached))
         yield "data: [DONE]\n\n"
     finally:
         if done is None:  # the client went away (send failed or the task was cancelled)

@@ -31,7 +31,7 @@ class Done:
     reason: str
     prompt_tokens: int
     completion_tokens: int = 0
-    cached: int = 0              # prompt tokens whose KV came from a cache tier
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens whose KV came from each tier
     error: str | None = None     # with reason "error": what failed
 
 

@@ -1,8 +1,9 @@
 """Request bodies (validated, strict types) and response bodies of the OpenAI-compatible API.
 
 Requests: strict pydantic models, so `"max_tokens": "5"` or `"stream": 1` is a 400, not coerced.
-Fields OpenAI defines that this server does not act on (`top_p`, `presence_penalty`, `user`, ...)
-are accepted and ignored, as are unknown fields (clients such as LangChain send extras); the
+Sampling parameters are checked against OpenAI's ranges (temperature 0..2, top_p in (0, 1]); a
+`seed` may be any integer (mapped into the generator's range: `seed % 2**63`). Fields OpenAI
+defines that this server does not act on (`presence_penalty`, `user`, ...) are accepted and ignored, as are unknown fields (clients such as LangChain send extras); the
 workflow hints `workflow_id`, `agent`, `workflow_done` are what `openai`'s `extra_body` adds.
 Responses: plain dicts in the exact shapes of `chat.completion`, `chat.completion.chunk` and
 `text_completion` (the `openai` client parses them into its own types).
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP = 4          # OpenAI's limit on stop sequences
 MAX_HINT_CHARS = 256  # workflow ids and agent names are labels, not payloads
+SEED_RANGE = 2**63    # torch.Generator.manual_seed takes 64-bit seeds; any integer maps into [0, 2**63)
 
 
 class _Strict(BaseModel):
@@ -69,6 +71,11 @@ class _Common(_Strict):
             raise ValueError("only n=1 is supported")
         return v
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: Optional[int]) -> Optional[int]:
+        return None if v is None else v % SEED_RANGE   # equal seeds stay equal, any size is fine
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
@@ -119,15 +126,23 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+TIERS = ("device", "host", "disk")
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+def usage(prompt: int, completion: int, cached: dict[str, int] | None = None) -> dict:
+    """OpenAI's usage object with `prompt_tokens_details.cached_tokens` (prompt tokens whose KV
+    came from a cache tier, as vLLM reports it) and the per-tier split in `pbkv_cached_tokens`."""
+    tiers = {t: int((cached or {}).get(t, 0)) for t in TIERS}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(tiers.values())}, "pbkv_cached_tokens": tiers}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
+                  cached: dict[str, int] | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: Optional[str] = None) -> dict:
@@ -135,10 +150,11 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict, finish: Optional
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str, prompt: int, completion: int,
+                        cached: dict[str, int] | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: Optional[str] = None) -> dict:
@@ -146,10 +162,11 @@ def completion_chunk(rid: str, model: str, created: int, text: str, finish: Opti
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, prompt: int, completion: int) -> dict:
+def usage_chunk(rid: str, model: str, created: int, obj: str, prompt: int, completion: int,
+                cached: dict[str, int] | None = None) -> dict:
     """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt, completion)}
+            "usage": usage(prompt, completion, cached)}
 
 
 def models_response(model: str, created: int) -> dict:

@@ -19,6 +19,7 @@ from typing import Callable
 
 from pbkv.cache import CacheConfig, Capacities, CapacityDefaults
 from pbkv.serve.app import ServerState, create_app
+from pbkv.serve.limits import uvicorn_config
 from pbkv.serve.metrics import Metrics
 from pbkv.serve.workflows import WorkflowTable
 
@@ -51,6 +52,10 @@ class ServeConfig:
     max_tokens_limit: int = 1024
     default_max_tokens: int = 256
     max_queue: int = 1024
+    max_connections: int = 2048          # open connections + running requests; above: 503 (uvicorn)
+    header_timeout: float = 10.0         # seconds to send a request's headers (serve/limits.py)
+    body_timeout: float = 30.0           # seconds to send a request's body after its headers (408)
+    keep_alive: float = 5.0              # seconds an idle kept-alive connection stays open
     max_running: int = 64
     max_agents: int = 256
     threads: int | None = 1              # torch CPU threads (1: fastest for small models, and no
@@ -72,10 +77,11 @@ def build_state(cfg: ServeConfig) -> ServerState:
     from pbkv.serve.tokenizer import tokenizer_for
     from pbkv.serve.worker import EngineWorker
 
+    check_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     for name in ("max_tokens_limit", "default_max_tokens", "max_queue", "max_running", "max_body_bytes",
-                 "record_rotate", "learn_every", "learn_steps", "max_agents"):
+                 "record_rotate", "learn_every", "learn_steps", "max_agents", "max_connections"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.cache.block_size < 1:
@@ -106,6 +112,16 @@ def build_state(cfg: ServeConfig) -> ServerState:
     return state
 
 
+def check_config(cfg: ServeConfig) -> None:
+    """Refuse settings that would silently weaken the server (before anything loads)."""
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise ValueError("--api-key (or PBKV_API_KEY) is empty: give a non-empty key, or unset it to run "
+                         "without authentication")
+    for name in ("header_timeout", "body_timeout", "keep_alive"):
+        if not getattr(cfg, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(cfg, name)}")
+
+
 def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
     """The real engine over a fresh tiered cache; the worker thread owns both."""
     from pbkv.cache import RadixTree, TieredCache
@@ -119,7 +135,7 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
 def run(cfg: ServeConfig, log_level: str = "info") -> None:
     import uvicorn
     state = build_state(cfg)
-    uvicorn.run(create_app(state), host=cfg.host, port=cfg.port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
 
 
 class ServerThread:
@@ -138,7 +154,7 @@ class ServerThread:
         self.sock.bind((cfg.host, cfg.port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://{cfg.host}:{self.port}"
-        config = uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+        config = uvicorn_config(self.app, cfg, log_level=log_level, lifespan="on")
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="pbkv-uvicorn", daemon=True)

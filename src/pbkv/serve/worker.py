@@ -13,7 +13,11 @@ blocks on the queue (up to `idle_wait` seconds, so idle workflows still expire w
 
 Each job becomes one `Request` of its workflow run (`HFEngine`'s step-wise API); EOS ids are the
 engine's, stop strings the job's detokenizer's (`on_token` returns True to stop); a queue head
-that can never fit (`Stuck`) or an engine failure ends jobs with "error".
+that can never fit (`Stuck`) or an engine failure ends jobs with "error". The engine isolates a
+failure of one request's own work (its sampling, its `on_token` (the detokenizer), its forward
+pass): that request alone ends with "error" (`Request.error`: the client's 500 says why), freeing
+its reservation, its pin and its workflow's in-flight count; the others go on. Only a failure of
+shared state leaves `step()`: then every job is ended (`_fail_all`), so none is left unanswered.
 Invariant: every submitted job gets exactly one `Done`, after its text, in order.
 """
 
@@ -183,7 +187,8 @@ class EngineWorker:
             self.engine.cancel(req, ERROR)
 
     def _fail_all(self, message: str) -> None:
-        """The engine raised: end every job with an error (their clients get a 500)."""
+        """The engine raised: end every job with an error (their clients get a 500), also a job
+        whose request the engine no longer holds but never answered (it failed mid-end)."""
         for req in self.engine.requests:
             job = self.jobs.get(id(req))
             if job is None:
@@ -195,6 +200,15 @@ class EngineWorker:
                 if id(req) in self.jobs:
                     req.finish_reason = ERROR
                     self._done(req)
+        for key, job in list(self.jobs.items()):   # orphans: answered here, exactly once
+            del self.jobs[key]
+            self._count(-1)
+            job.put(Done(ERROR, len(job.prompt_ids), error=message))
+            try:
+                if self.table.finish(job.run, self.clock()):
+                    self._end_run(job.run)
+            except Exception:  # noqa: BLE001 - answering the clients comes first
+                log.exception("ending the run of a failed job failed")
 
     # ------------------------------------------------------------------ engine thread: jobs
 
@@ -249,7 +263,7 @@ class EngineWorker:
             if self.table.finish(job.run, self.clock()):
                 self._end_run(job.run)
         finally:
-            job.put(Done(reason, len(job.prompt_ids), completion, sum(hits.values()), job.error))
+            job.put(Done(reason, len(job.prompt_ids), completion, hits, job.error or req.error))
 
     def _record(self, job: Job, req: Request, completion: int) -> None:
         if self.recorder is None:

@@ -12,7 +12,11 @@ Invariants:
   (`on_token`, `on_done`) may cancel any request, itself included, at any point: the loops
   below skip requests that finished while they ran;
 - sequences decode one after another (no padding): a request's outputs are exactly those of
-  the same request served alone.
+  the same request served alone;
+- failures are isolated per request: an exception raised by one request's own work (its
+  prefill forward, its sampling, its `on_token` callback, its decode forward) ends THAT request
+  with "error" (`Request.error` says why) and frees what it holds, as any end does; the other
+  requests go on, unchanged. Only failures of shared state (the cache, the policy) leave `step()`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pbkv.engine.hf.model import cache_to_kv, forward, make_cache
 from pbkv.engine.hf.sampling import sample
 from pbkv.engine.hf.state import EngineError, Output, Seq
 from pbkv.engine.request import Request
-from pbkv.engine.sampling import DEFAULT, LENGTH, STOP
+from pbkv.engine.sampling import DEFAULT, ERROR, LENGTH, STOP
+
+SEED_RANGE = 2**63   # torch.Generator.manual_seed takes 64-bit seeds: any integer maps into [0, 2**63)
 
 
 class ExecOps:
@@ -61,7 +67,14 @@ class ExecOps:
                               f"input_length {call.input_length}")
         start = time.perf_counter()
         past = self.store.gather(adm.path, adm.cached)
-        logits, hidden, kv = forward(self.lm, tokens[adm.cached:], make_cache(past))
+        try:
+            logits, hidden, kv = forward(self.lm, tokens[adm.cached:], make_cache(past))
+        except Exception as e:  # noqa: BLE001 - this request's own computation: it alone ends
+            if adm.promote is not None:    # the move held the pin; nothing was promoted
+                self.cache.abort(adm.promote)
+                req.node = None
+            self._fail(req, e)
+            return
         seconds = time.perf_counter() - start
         computed = call.input_length - adm.cached
         self.stats.prefills += 1
@@ -84,9 +97,12 @@ class ExecOps:
         if limit <= 0:
             self._finish(req, LENGTH)
             return
-        seq = self._new_seq(req, kv, limit)
-        self._running.append(seq)
-        self._advance(seq, logits)
+        try:
+            seq = self._new_seq(req, kv, limit)
+            self._running.append(seq)
+            self._advance(seq, logits)
+        except Exception as e:  # noqa: BLE001 - its sampling or on_token: it alone ends
+            self._fail(req, e)
 
     def _new_seq(self, req: Request, kv, limit: int) -> Seq:
         s, call = req.sampling or DEFAULT, req.call
@@ -96,7 +112,7 @@ class ExecOps:
             seed = s.seed
             if seed is None:
                 seed = zlib.crc32(f"{self.opts.seed}|{call.workflow_id}|{call.step}".encode())
-            gen = torch.Generator(device=self.lm.device).manual_seed(seed)
+            gen = torch.Generator(device=self.lm.device).manual_seed(seed % SEED_RANGE)
         stops = frozenset(s.stop_token_ids) | (frozenset() if s.ignore_eos else frozenset(self.opts.eos_token_ids))
         return Seq(req, kv, gen, temperature, s.top_p, stops, limit)
 
@@ -106,8 +122,11 @@ class ExecOps:
         for seq in list(self._running):
             if seq.req.finish_reason is not None:  # cancelled by a callback earlier in this step
                 continue
-            logits, _, seq.cache = forward(self.lm, [seq.req.result.tokens[-1]], seq.cache)
-            self._advance(seq, logits)
+            try:
+                logits, _, seq.cache = forward(self.lm, [seq.req.result.tokens[-1]], seq.cache)
+                self._advance(seq, logits)
+            except Exception as e:  # noqa: BLE001 - its decode, sampling or on_token: it alone ends
+                self._fail(seq.req, e)
         seconds = time.perf_counter() - start
         self.stats.decode_steps += 1
         self.stats.decode_seconds += seconds
@@ -133,6 +152,18 @@ class ExecOps:
         if req.on_token is not None and req.on_token(req, token):
             return STOP
         return LENGTH if len(out.tokens) >= seq.limit else None
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        """End `req` alone with "error" after its own work raised `exc`; it may be waiting for
+        nothing (mid-prefill), running, or already ended (its `on_done` raised: then `exc`
+        propagates, since the request is answered and the failure is not its own work)."""
+        if req.finish_reason is not None:
+            raise exc
+        req.error = f"{type(exc).__name__}: {exc}"
+        seq = next((s for s in self._running if s.req is req), None)
+        if seq is not None:
+            self._running.remove(seq)
+        self._finish(req, ERROR)
 
     def _finish(self, req: Request, reason: str) -> None:
         """End `req` (already out of the waiting and running lists): release what it holds."""
