@@ -141,3 +141,9 @@ def test_every_router_keeps_the_decision_invariants(specs, prompt, p):
             assert d.fetch_from != d.replica and d.fetch_tokens > 0
             assert src.cached_prefix_tokens(r.hash_ids) > dst.cached_prefix_tokens(r.hash_ids)
         assert router.choose(r, views).replica in ids
+
+
+def test_ties_spread_new_workflows_to_the_replica_holding_fewer():
+    views = [view("a", 0, workflows={"x": 10, "y": 10}), view("b", 0, workflows={"z": 10})]
+    for name in ("least-load", "prefix", "sticky", "pbkv"):
+        assert make_router(name, CFG).choose(req("new"), views).replica == "b", name

@@ -9,8 +9,8 @@ Invariants every router keeps:
 - `choose` returns a `RouteDecision` whose `replica` is the id of one of the views it was given;
 - `fetch_from`, when set, names a different replica that holds a longer cached prefix of the
   prompt than the chosen one, and `fetch_tokens` > 0 is how many tokens to move from it;
-- with equal scores the earlier view in the given order wins (callers pass a stable order),
-  so every decision is deterministic for a given history of calls.
+- with equal scores the replica holding fewer workflows wins, then the earlier view in the
+  given order (callers pass a stable order), so every decision is deterministic.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ class ReplicaView(Protocol):
 
     def workflow_tokens(self, workflow_id: str) -> int:
         """Tokens of KV the replica holds that this workflow touched (0: it holds none)."""
+
+    @property
+    def workflow_count(self) -> int:
+        """Workflows the replica holds KV of (spreads new workflows when all else is equal)."""
 
 
 @dataclass(frozen=True)
@@ -111,9 +115,10 @@ def require(replicas: Sequence[ReplicaView]) -> None:
 
 
 def argmin(replicas: Sequence[ReplicaView], key) -> ReplicaView:
-    """The replica with the smallest `key(view)`; ties go to the earliest in `replicas`."""
+    """The replica with the smallest `key(view)`; ties go to the one holding fewer workflows,
+    then to the earliest in `replicas`."""
     require(replicas)
-    return min(enumerate(replicas), key=lambda iv: (key(iv[1]), iv[0]))[1]
+    return min(enumerate(replicas), key=lambda iv: (key(iv[1]), iv[1].workflow_count, iv[0]))[1]
 
 
 def cached(view: ReplicaView, request: RouteRequest) -> int:

@@ -12,7 +12,7 @@ For every replica r the router estimates, in seconds (costs from `RouterConfig`)
                  again (`reuse_probability`, 1 when unknown). Splitting a workflow means one
                  side is later moved or recomputed; the cheaper side is charged, as likely as p.
 
-and picks the smallest queue + prefill + strand (ties: earliest replica). A workflow whose KV is
+and picks the smallest queue + prefill + strand (ties: fewer workflows held, then earliest). A workflow whose KV is
 unlikely to be reused (p near 0) is placed by load and prefix alone; one likely to continue stays
 home unless queueing there costs more than moving. `warm` names the predicted next agent's
 prompt blocks the chosen replica lacks, so the engine can load them before that call comes.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, cached, require
+from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, require
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,9 @@ class PBKVRouter(Router):
         require(replicas)
         local = {v.id: cached(v, request) for v in replicas}
         home, home_tokens = self._home(request, replicas)
-        best = None
-        for i, v in enumerate(replicas):
-            est = self._estimate(request, v, replicas, local, home, home_tokens)
-            if best is None or est.seconds < best[0].seconds:
-                best = (est, v)
-        est, view = best
+        est = {v.id: self._estimate(request, v, replicas, local, home, home_tokens) for v in replicas}
+        view = argmin(replicas, lambda v: est[v.id].seconds)
+        est = est[view.id]
         return RouteDecision(view.id, fetch_from=est.fetch_from, fetch_tokens=est.fetch_tokens,
                              warm=self._warm(request, view),
                              reason=f"{est.seconds:.4f}s: reuse {est.reuse_tokens}, fetch {est.fetch_tokens}, "

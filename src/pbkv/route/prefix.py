@@ -1,9 +1,9 @@
 """prefix: the longest cached prefix of the prompt, minus a penalty per queued request.
 
 score(r) = cached tokens on r - load_penalty_tokens * load(r); the highest score wins (ties:
-lower load, then the earliest replica). With no prefix cached anywhere this is least-load. The
-same trade the SGLang router, llm-d's prefix scorer and Ray's PrefixCacheAffinityRouter make,
-as one linear score instead of thresholds.
+lower load, fewer workflows held, then the earliest replica). With no prefix cached anywhere
+this is least-load. The same trade the SGLang router, llm-d's prefix scorer and Ray's
+PrefixCacheAffinityRouter make, as one linear score instead of thresholds.
 """
 
 from __future__ import annotations

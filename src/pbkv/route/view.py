@@ -30,6 +30,10 @@ class ReplicaSnapshot:
     def workflow_tokens(self, workflow_id: str) -> int:
         return self.workflows.get(workflow_id, 0)
 
+    @property
+    def workflow_count(self) -> int:
+        return len(self.workflows)
+
     def to_stats(self) -> dict:
         """The JSON-friendly form a replica reports (see `from_stats`)."""
         return {"id": self.id, "load": self.load, "blocks": sorted(self.blocks),
