@@ -147,3 +147,12 @@ def test_ties_spread_new_workflows_to_the_replica_holding_fewer():
     views = [view("a", 0, workflows={"x": 10, "y": 10}), view("b", 0, workflows={"z": 10})]
     for name in ("least-load", "prefix", "sticky", "pbkv"):
         assert make_router(name, CFG).choose(req("new"), views).replica == "b", name
+
+
+def test_pbkv_plans_no_transfer_when_replicas_cannot_fetch():
+    views = [view("a", 0), view("b", 2, blocks=(1, 2, 3, 4), workflows={"w": 64})]
+    cfg = RouterConfig(prefill_s_per_token=1e-3, transfer_s_per_token=1e-4, transfer_latency_s=0.01,
+                       queue_s_per_request=0.5, can_fetch=False)
+    d = make_router("pbkv", cfg).choose(req(), views)
+    # a: recompute 80 (0.08) + strand 64 (0.064); b: queue 1.0 + recompute 16
+    assert (d.replica, d.fetch_from) == ("a", None)

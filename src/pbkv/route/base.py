@@ -15,6 +15,7 @@ Invariants every router keeps:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -77,7 +78,8 @@ class RouteDecision:
 class RouterConfig:
     """Costs a router weighs, in seconds (defaults: a mid-size model on one GPU; the simulator
     fills them from its profile). `load_penalty_tokens` is the prefix router's exchange rate:
-    one queued request costs as much as this many uncached prompt tokens."""
+    one queued request costs as much as this many uncached prompt tokens. `can_fetch` False:
+    replicas cannot move KV between them (every transfer costs infinitely much)."""
 
     prefill_s_per_token: float = 1e-4
     transfer_s_per_token: float = 2e-6
@@ -85,13 +87,16 @@ class RouterConfig:
     queue_s_per_request: float = 0.5
     load_penalty_tokens: int = 512
     block_size: int = 16
+    can_fetch: bool = True
     extra: dict = field(default_factory=dict)
 
     def recompute_s(self, tokens: int) -> float:
         return tokens * self.prefill_s_per_token
 
     def transfer_s(self, tokens: int) -> float:
-        return self.transfer_latency_s + tokens * self.transfer_s_per_token if tokens > 0 else 0.0
+        if tokens <= 0:
+            return 0.0
+        return self.transfer_latency_s + tokens * self.transfer_s_per_token if self.can_fetch else math.inf
 
 
 class Router:

@@ -12,6 +12,9 @@ Use it on a deployment whose replicas define `record_routing_stats` returning
 so Ray falls back to the least-loaded other replica when the chosen one rejects (full queue) or
 has died. A request without hints goes to every candidate at once (Ray's least-queue choice).
 Loads come from Ray's queue-length cache when it has a fresh entry, else from the report.
+Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
+needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
+Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pbkv.scale.adapter import Overlay, route_request
 
 class PBKVRequestRouter(RequestRouter):
     def initialize_state(self, router: str = "pbkv", config: dict | None = None, **_):
-        self.pbkv_router = make_router(router, RouterConfig(**(config or {})))
+        self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
         self.decisions: dict[str, int] = {}
 
