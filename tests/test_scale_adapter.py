@@ -18,12 +18,15 @@ def test_overlay_remembers_routed_calls_until_the_next_report():
     o = Overlay()
     req = RouteRequest("w", "a", (1, 2), 30, output_tokens=5)
     report = ReplicaSnapshot("x", load=2, blocks=frozenset({9})).to_stats() | {"seq": 1}
-    assert o.view("x", report, None).blocks == {9}
+    assert o.view("x", report, None).cached_prefix_tokens([9]) == 16
     o.routed("x", req)
     v = o.view("x", report, load=0)
-    assert v.blocks == {1, 2, 9} and v.workflows == {"w": 35} and v.load == 0
-    assert o.view("x", report | {"seq": 2}, None).blocks == {9}     # a new report replaces the overlay
-    assert o.view("y", None, None) == ReplicaSnapshot("y")
+    assert v.cached_prefix_tokens([1, 2, 9, 3]) == 48 and v.workflow_tokens("w") == 35 and v.load == 0
+    assert v.workflow_count == 1
+    v = o.view("x", report | {"seq": 2}, None)                      # a new report replaces the overlay
+    assert (v.cached_prefix_tokens([1]), v.cached_prefix_tokens([9]), v.load) == (0, 16, 2)
+    y = o.view("y", None, None)
+    assert (y.id, y.load, y.workflow_count, y.cached_prefix_tokens([1])) == ("y", 0, 0, 0)
 
 
 def test_overlay_is_bounded():

@@ -34,6 +34,30 @@ def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest
     return None
 
 
+class MergedView:
+    """A replica's last report plus what was routed there since (a `ReplicaView`); reads both
+    sets per lookup instead of copying them, so a view costs O(prompt), not O(cache)."""
+
+    def __init__(self, base: ReplicaSnapshot, blocks: set[int], workflows: dict[str, int], load: float | None):
+        self.id, self.base, self.blocks, self.workflows = base.id, base, blocks, workflows
+        self.load = base.load if load is None else float(load)
+
+    def cached_prefix_tokens(self, hash_ids) -> int:
+        n = 0
+        for h in hash_ids:
+            if h not in self.base.blocks and h not in self.blocks:
+                break
+            n += 1
+        return n * self.base.block_size
+
+    def workflow_tokens(self, workflow_id: str) -> int:
+        return max(self.base.workflow_tokens(workflow_id), self.workflows.get(workflow_id, 0))
+
+    @property
+    def workflow_count(self) -> int:
+        return len(self.base.workflows.keys() | self.workflows.keys())
+
+
 @dataclass
 class Overlay:
     """What was routed to each replica since its last report (see the module docstring)."""
@@ -41,7 +65,7 @@ class Overlay:
     max_blocks: int = 200_000
     blocks: dict[str, set[int]] = field(default_factory=dict)
     workflows: dict[str, dict[str, int]] = field(default_factory=dict)
-    seen_seq: dict[str, object] = field(default_factory=dict)
+    reports: dict[str, tuple[object, ReplicaSnapshot]] = field(default_factory=dict)
 
     def routed(self, replica: str, request: RouteRequest) -> None:
         blocks = self.blocks.setdefault(replica, set())
@@ -57,19 +81,16 @@ class Overlay:
         self.blocks.pop(replica, None)
         self.workflows.pop(replica, None)
 
-    def view(self, replica: str, stats: Mapping | None, load: float | None) -> ReplicaSnapshot:
+    def view(self, replica: str, stats: Mapping | None, load: float | None) -> MergedView:
         """The replica's last report merged with what was routed there since; `load` (a fresher
-        queue length, e.g. Ray's cache) replaces the reported one when known."""
-        stats = dict(stats or {})
-        if "seq" in stats and self.seen_seq.get(replica) != stats["seq"]:
-            self.seen_seq[replica] = stats["seq"]
-            self.forget(replica)
-        snap = ReplicaSnapshot.from_stats(stats, replica_id=replica)
-        extra = self.blocks.get(replica)
-        if extra:
-            snap.blocks = snap.blocks | extra
-        for wf, tokens in self.workflows.get(replica, {}).items():
-            snap.workflows[wf] = max(snap.workflows.get(wf, 0), tokens)
-        if load is not None:
-            snap.load = float(load)
-        return snap
+        queue length, e.g. Ray's cache) replaces the reported one when known. A report is parsed
+        once (per `seq`; reports without one are parsed every time)."""
+        stats = stats or {}
+        seq = stats.get("seq")
+        known = self.reports.get(replica)
+        if seq is None or known is None or known[0] != seq:
+            if seq is not None and known is not None:
+                self.forget(replica)   # a new report covers what was routed before it
+            known = (seq, ReplicaSnapshot.from_stats(dict(stats), replica_id=replica))
+            self.reports[replica] = known
+        return MergedView(known[1], self.blocks.get(replica, set()), self.workflows.get(replica, {}), load)

@@ -8,9 +8,12 @@ Use it on a deployment whose replicas define `record_routing_stats` returning
                         request_router_kwargs={"router": "pbkv", "config": {...RouterConfig fields}},
                         request_routing_stats_period_s=1.0)
 
-`choose_replicas` returns two ranks: the replica the pbkv router chose, then every other one,
-so Ray falls back to the least-loaded other replica when the chosen one rejects (full queue) or
-has died. A request without hints goes to every candidate at once (Ray's least-queue choice).
+`choose_replicas` returns the replica the pbkv router chose as the only rank, so Ray waits
+(with backoff) for that replica when it is full or slow to report its queue, instead of
+breaking the affinity the router chose; a replica that died is no longer a candidate, so its
+calls are placed again. With `fallback=True` every other replica forms a second rank (Ray then
+takes the least-loaded of them when the chosen one does not answer in time). A request without
+hints goes to every candidate at once (Ray's least-queue choice).
 Loads come from Ray's queue-length cache when it has a fresh entry, else from the report.
 Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
 needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
@@ -28,7 +31,8 @@ from pbkv.scale.adapter import Overlay, route_request
 
 
 class PBKVRequestRouter(RequestRouter):
-    def initialize_state(self, router: str = "pbkv", config: dict | None = None, **_):
+    def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
+        self.fallback = fallback
         self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
         self.decisions: dict[str, int] = {}
@@ -51,7 +55,7 @@ class PBKVRequestRouter(RequestRouter):
         decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
-        return [chosen, rest] if rest else [chosen]
+        return [chosen, rest] if rest and self.fallback else [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         request = route_request(pending_request.args, pending_request.kwargs)

@@ -1,0 +1,180 @@
+"""N simulated engine instances behind a router, on one clock: the multi-instance simulator.
+
+`Cluster` is an engine for `pbkv.driver.Replay` (same `now`/`at`/`start_workflow`/`submit`/
+`end_workflow`/`run`). Each instance is a `Simulator` with its own `TieredCache` and policy
+object; a `pbkv.route` router places every call, seeing each instance through `SimView`.
+
+Time: the cluster keeps the driver's events; instances keep their own. `run` always advances
+whichever is earliest: a due driver event, or one `step` of the instance whose clock is
+behind. Before an instance steps, the next driver event is also put on that instance's queue
+(a no-op), so a decode run never jumps past the moment a call may arrive there. An instance
+that was idle is brought to the cluster's time when a call is routed to it.
+
+KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
+holds are sent over the target's inbound `Link` (transfers to one instance queue behind each
+other), inserted into the target's device tier when they arrive, and only then is the call
+submitted there. Bytes sent are counted in `stats.bytes_moved`. If the target cannot make room
+for them, the call is submitted anyway and recomputes (the bytes still count: they were sent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pbkv.engine.base import EventQueue
+from pbkv.engine.request import Request
+from pbkv.engine.simulator import Simulator
+from pbkv.route import RouteRequest, Router
+from pbkv.scale.links import Link
+
+
+class SimView:
+    """A `pbkv.route.ReplicaView` of one simulated instance."""
+
+    def __init__(self, index: int, engine: Simulator, workflow_index: dict[str, int]):
+        self.id = str(index)
+        self.engine = engine
+        self._wf = workflow_index
+
+    @property
+    def load(self) -> float:
+        return self.engine.load()
+
+    def cached_prefix_tokens(self, hash_ids) -> int:
+        _, matched = self.engine.tree.match(list(hash_ids))
+        return matched * self.engine.block_size
+
+    def workflow_tokens(self, workflow_id: str) -> int:
+        nodes = self.engine.tree.workflow_nodes.get(self._wf.get(workflow_id, -1), {})
+        return sum(n.tokens for n in nodes.values() if n.alive)
+
+    @property
+    def workflow_count(self) -> int:
+        return len(self.engine.tree.workflow_nodes)
+
+
+@dataclass
+class ClusterStats:
+    bytes_moved: float = 0.0
+    fetches: int = 0
+    fetched_tokens: int = 0
+    fetch_failed: int = 0
+    calls: list[int] = field(default_factory=list)   # calls routed to each instance
+    moves: int = 0                                    # calls placed off their workflow's previous instance
+
+
+class Cluster:
+    def __init__(self, instances: list[Simulator], router: Router, link: Link, kv_bytes_per_token: float,
+                 gpus_per_instance: int = 1):
+        if not instances:
+            raise ValueError("a cluster needs at least one instance")
+        self.instances, self.router, self.link = instances, router, link
+        self.kv_bytes_per_token, self.gpus = kv_bytes_per_token, gpus_per_instance
+        self.stats = ClusterStats(calls=[0] * len(instances))
+        self._events = EventQueue()
+        self._t = 0.0
+        self._current: Simulator | None = None
+        self._wf_index: dict[str, int] = {}
+        self._wf_id: dict[int, str] = {}
+        self._started: dict[int, set[int]] = {}     # workflow -> instances told it started
+        self._last: dict[int, int] = {}              # workflow -> instance of its latest call
+        self._inbound_free = [0.0] * len(instances)
+        self._barrier = [math.nan] * len(instances)
+        self.views = [SimView(k, e, self._wf_index) for k, e in enumerate(instances)]
+
+    # ------------------------------------------------------------------ driver API
+
+    @property
+    def now(self) -> float:
+        return self._current.now if self._current is not None else self._t
+
+    def at(self, when: float, fn) -> None:
+        self._events.push(max(when, self.now), fn)
+
+    def start_workflow(self, workflow: int, workflow_id: str) -> None:
+        self._wf_index[workflow_id] = workflow
+        self._wf_id[workflow] = workflow_id
+        self._started[workflow] = set()
+
+    def end_workflow(self, workflow: int) -> None:
+        for k in sorted(self._started.pop(workflow, ())):
+            self.instances[k].end_workflow(workflow)
+        self._last.pop(workflow, None)
+        self.router.on_workflow_end(self._wf_id.pop(workflow, ""))
+
+    def submit(self, req: Request) -> None:
+        call = req.call
+        request = RouteRequest(workflow_id=self._wf_id.get(req.workflow, call.workflow_id), agent=call.agent,
+                               hash_ids=tuple(call.hash_ids), input_tokens=call.input_length,
+                               output_tokens=call.output_length)
+        decision = self.router.choose(request, self.views)
+        k = int(decision.replica)
+        engine = self.instances[k]
+        engine.now = max(engine.now, self.now)
+        self.stats.calls[k] += 1
+        if self._last.get(req.workflow, k) != k:
+            self.stats.moves += 1
+        self._last[req.workflow] = k
+        if k not in self._started.setdefault(req.workflow, set()):
+            self._started[req.workflow].add(k)
+            engine.start_workflow(req.workflow, request.workflow_id)
+        blocks = decision.fetch_tokens // engine.block_size
+        if decision.fetch_from is None or blocks <= 0:
+            engine.submit(req)
+            return
+        self._fetch(k, list(call.hash_ids[:blocks]), req)
+
+    def run(self) -> None:
+        """Serve until no instance has work and no driver event is left."""
+        while True:
+            tg = self._events.next_time() if self._events else math.inf
+            busy = [(e.now, k) for k, e in enumerate(self.instances) if e.busy()]
+            if not busy and tg == math.inf:
+                return
+            ti, k = min(busy) if busy else (math.inf, -1)
+            if tg <= ti:
+                self._t = max(self._t, tg)
+                self._events.fire_due(lambda: self._t)
+                continue
+            engine = self.instances[k]
+            if tg < math.inf and self._barrier[k] != tg:
+                engine.at(tg, _noop)
+                self._barrier[k] = tg
+            self._current = engine
+            try:
+                engine.step()
+            finally:
+                self._current = None
+            self._t = max(self._t, min(ti, tg))
+
+    # ------------------------------------------------------------------ KV movement
+
+    def _fetch(self, k: int, blocks: list[int], req: Request) -> None:
+        engine = self.instances[k]
+        tokens = len(blocks) * engine.block_size
+        nbytes = tokens * self.kv_bytes_per_token
+        start = max(self.now, self._inbound_free[k])
+        done = start + self.link.seconds(nbytes, self.gpus)
+        self._inbound_free[k] = done
+        self.stats.fetches += 1
+        self.stats.fetched_tokens += tokens
+        self.stats.bytes_moved += nbytes
+        self.at(done, lambda: self._arrived(k, blocks, req))
+
+    def _arrived(self, k: int, blocks: list[int], req: Request) -> None:
+        engine = self.instances[k]
+        engine.now = max(engine.now, self._t)
+        _, have = engine.tree.match(blocks)
+        missing = (len(blocks) - have) * engine.block_size
+        cache = engine.cache
+        if missing > 0 and cache.reserve(missing):
+            _, added = cache.insert(blocks, engine.block_size, engine.now)
+            cache.release(missing - added)
+        elif missing > 0:
+            self.stats.fetch_failed += 1
+        engine.submit(req)
+
+
+def _noop() -> None:
+    pass
