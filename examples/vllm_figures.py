@@ -37,8 +37,8 @@ def main() -> None:
     ap.add_argument("--host-tokens", type=int, default=512)
     ap.add_argument("--disk-tokens", type=int, default=16384)
     ap.add_argument("--policies", default="lru,pbkv-retired",
-                    help="connector policies (`pbkv` needs --model-dir, a predictor from `pbkv train`)")
-    ap.add_argument("--model-dir")
+                    help="connector policies (`pbkv` needs --predictor, a predictor from `pbkv train`)")
+    ap.add_argument("--predictor", help="a predictor directory saved by `pbkv train`")
     ap.add_argument("--concurrency", type=int, help="workflows in flight (default: one call at a time)")
     args = ap.parse_args()
     # the core lives in pbkv.bench.vllm_run (`pbkv bench --engine vllm`): one child process per setup
@@ -48,7 +48,7 @@ def main() -> None:
     workload = Workload(args.workload, generate(load_spec(args.workload), args.workflows, args.seed))
     rows = []
     for policy in ["vllm"] + [p for p in args.policies.split(",") if p]:
-        rows.append(run_policy(workload, policy, args.concurrency, cfg, args.model_dir if policy != "vllm" else None))
+        rows.append(run_policy(workload, policy, args.concurrency, cfg, args.predictor if policy != "vllm" else None))
         print(json.dumps(rows[-1]), file=sys.stderr)
     head = ["config", "calls", "prompt tok", "computed", "vLLM hit", "RAM hit", "disk hit", "demoted", "wall s"]
     print(" | ".join(head))

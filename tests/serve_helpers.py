@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from pbkv.cache import CacheConfig  # noqa: E402
 from pbkv.serve import ServeConfig, ServerThread  # noqa: E402
 
 
@@ -24,7 +25,7 @@ class FakeClock:
 
 
 def start_server(**overrides) -> ServerThread:
-    cfg = dict(model="tiny", port=0, threads=1, device_tokens=8192, max_tokens_limit=1024,
+    cfg = dict(model="tiny", port=0, threads=1, cache=CacheConfig(device_tokens=8192), max_tokens_limit=1024,
                default_max_tokens=8, max_body_bytes=64 * 1024, idle_timeout=60.0)
     cfg.update(overrides)
     return ServerThread(ServeConfig(**cfg)).start()
@@ -42,14 +43,13 @@ def on_engine(srv, fn):
     return srv.state.worker.call(fn).result(timeout=60)
 
 
-def watch_counter(srv, name: str) -> threading.Event:
-    """An event set the next time the server increments metric `name` (no polling, no sleeps)."""
-    metrics, event = srv.state.metrics, threading.Event()
-    original = metrics.inc
+def watch_counter(counter) -> threading.Event:
+    """An event set the next time the server increments `counter` (an unlabelled
+    `prometheus_client.Counter` of `srv.state.metrics`): no polling, no sleeps."""
+    event, original = threading.Event(), counter.inc
 
-    def inc(n, value=1.0, labels=None):
-        original(n, value, labels)
-        if n == name:
-            event.set()
-    metrics.inc = inc
+    def inc(amount=1):
+        original(amount)
+        event.set()
+    counter.inc = inc
     return event

@@ -89,7 +89,7 @@ def test_errors_are_clear_and_exit_2(tmp_path):
     assert r.exit_code == 2 and "nosuch" in r.output
     for cmd in ("sim", "policy"):
         r = invoke("perf", cmd, "--policy", "pbkv", "--workflows", 3)
-        assert r.exit_code == 2 and "pbkv needs a predictor: pass --model DIR" in r.output
+        assert r.exit_code == 2 and "pbkv needs a predictor: pass --predictor DIR" in r.output
 
 
 def test_trace_stats_on_a_multi_agent_trace_with_heldout():
@@ -98,3 +98,28 @@ def test_trace_stats_on_a_multi_agent_trace_with_heldout():
     assert "H(next agent | current agent): 0.424 bits" in r.output, r.output
     assert "Markov top-1 next-agent accuracy, fit on this trace, tested on heldout: 0.867 over 15 pairs" in r.output
     assert r.exit_code == 0 and "Markov top-1" in r.output and "H(next agent | current agent)" in r.output
+
+
+def test_help_lists_commands_in_the_order_a_newcomer_uses_them():
+    from pbkv.cli import ORDER
+    r = invoke("--help")
+    assert r.exit_code == 0
+    positions = [r.output.index(f" {name} ") for name in ORDER]
+    assert positions == sorted(positions)
+
+
+def test_an_option_shared_by_commands_is_declared_once():
+    """Same name, same declaration (flags, help) wherever it appears: `cli/common.py`."""
+    import typer.main
+
+    def commands(group, prefix=""):
+        for name, cmd in group.commands.items():
+            if hasattr(cmd, "commands"):
+                yield from commands(cmd, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", cmd
+    seen: dict[str, tuple] = {}
+    for where, cmd in commands(typer.main.get_command(app)):
+        for p in cmd.params:
+            decl = (tuple(p.opts), getattr(p, "help", None))
+            assert seen.setdefault(p.opts[-1], (where, decl))[1] == decl, (where, seen[p.opts[-1]][0], decl)

@@ -16,7 +16,7 @@ from pbkv.policy import PolicyContext
 def test_bench_on_the_real_engine(tmp_path):
     threads = torch.get_num_threads()
     try:
-        r = CliRunner().invoke(app, ["bench", "--engine", "hf", "--model-path", "tiny", "--workload", "hover",
+        r = CliRunner().invoke(app, ["bench", "--engine", "hf", "--model", "tiny", "--workload", "hover",
                                      "--workflows", "3", "--concurrency", "2", "--policies", "lru", "--scale", "8",
                                      "--device-tokens", "600", "--out", str(tmp_path), "--jobs", "1"])
     finally:
@@ -34,7 +34,7 @@ def test_bench_rejects_bad_real_engine_options(tmp_path):
     run = CliRunner().invoke
     r = run(app, ["bench", "--engine", "hf", "--scale", "0.5", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--scale" in r.output
-    r = run(app, ["bench", "--engine", "hf", "--model-path", str(tmp_path / "none"), "--workload", "hover",
+    r = run(app, ["bench", "--engine", "hf", "--model", str(tmp_path / "none"), "--workload", "hover",
                   "--workflows", "2", "--concurrency", "1", "--policies", "lru", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "local model directory" in r.output
     r = run(app, ["bench", "--engine", "gpu", "--out", str(tmp_path)])
@@ -69,12 +69,12 @@ def test_calibrate_then_simcheck_side_by_side(tmp_path):
     threads = torch.get_num_threads()
     try:
         run = CliRunner().invoke
-        r = run(app, ["calibrate", "--model-path", "tiny", "-o", str(tmp_path / "p.json"), "--max-len", "64",
+        r = run(app, ["calibrate", "--model", "tiny", "-o", str(tmp_path / "p.json"), "--max-len", "64",
                       "--repeats", "1"])
         assert r.exit_code == 0, r.output
         prof = load_profile(str(tmp_path / "p.json"))
         assert prof.model.layers == 2 and prof.max_prefill_tokens == 1 and prof.gpu.tflops > 0
-        r = run(app, ["simcheck", "--model-path", "tiny", "--profile", str(tmp_path / "p.json"), "--workflows", "3",
+        r = run(app, ["simcheck", "--model", "tiny", "--profile", str(tmp_path / "p.json"), "--workflows", "3",
                       "--concurrency", "2", "--policies", "lru", "--scale", "16", "--out", str(tmp_path)])
     finally:
         torch.set_num_threads(threads)

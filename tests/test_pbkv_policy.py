@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import BLOCK, FakePredictor, ids, make_cache, put
-from pbkv.cache import Tier
+from pbkv.cache import CacheConfig, Tier
 from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest
 from test_policies import eviction_order, labels
 
@@ -16,7 +16,7 @@ W2 = ([[0, 1, 0, 0], [1, 0, 0, 0]], [0.5, 0.5])
 
 def make(table, horizon=2, gamma=0.5, device=100, host=0, policy="pbkv"):
     pred = FakePredictor(["a", "b", "c"], horizon, table)
-    ctx = PolicyContext(block_size=BLOCK, predictors={"fused": pred}, options={"gamma": gamma})
+    ctx = PolicyContext(block_size=BLOCK, predictors={"fused": pred}, gamma=gamma)
     cache, pol = make_cache(device * BLOCK, host * BLOCK, policy=policy, ctx=ctx)
     return cache, pol, pred
 
@@ -209,5 +209,5 @@ def test_perfect_predictor_and_policy_read_the_replayed_future():
     assert list(last.survival) == [0.0, 0.0]
     assert needs_future("pbkv-perfect") and needed_predictor("pbkv-perfect") is None
     record = simulate(wl, RunConfig(policy="pbkv-perfect", concurrency=4, profile=load_profile("a6000-qwen3-32b"),
-                                    device_tokens=20000, host_tokens=0))
+                                    cache=CacheConfig(device_tokens=20000, host_tokens=0)))
     assert record["calls"] == sum(map(len, wl.workflows)) and record["monitor_top1"] == 1.0

@@ -259,7 +259,7 @@ def test_cli_train_and_predict_eval(tmp_path):
     r = invoke("train", "--trace", trace, "-o", tmp_path / "m", "--epochs", 3, "--seed", 1)
     assert r.exit_code == 0, r.output
     assert "parameters" in r.output and "train-set top-1" in r.output
-    r = invoke("predict-eval", "--model", tmp_path / "m", "--trace", trace, "--json", tmp_path / "a.json")
+    r = invoke("predict-eval", "--predictor", tmp_path / "m", "--trace", trace, "--json", tmp_path / "a.json")
     assert r.exit_code == 0, r.output
     assert "fused" in r.output and "markov" in r.output
     out = json.loads((tmp_path / "a.json").read_text())
@@ -276,7 +276,7 @@ def test_cli_train_and_predict_eval(tmp_path):
 def test_cli_bad_inputs_exit_2(tmp_path):
     trace = tmp_path / "t.jsonl"
     write_trace(routed(5), trace)
-    for args in [("predict-eval", "--model", tmp_path / "nope", "--trace", trace),
+    for args in [("predict-eval", "--predictor", tmp_path / "nope", "--trace", trace),
                  ("predict-eval", "--train", tmp_path / "missing.jsonl", "--test", trace),
                  ("predict-eval", "--trace", trace),
                  ("train", "--trace", tmp_path / "missing.jsonl", "-o", tmp_path / "m"),

@@ -149,7 +149,7 @@ def test_wrong_method_and_client_side_errors(srv, client):
 
 
 def test_api_key(srv):
-    srv.state.api_key = "sekret"
+    srv.state.config.api_key = "sekret"
     try:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sekret"}):
             r = httpx.get(srv.url + "/v1/models", headers=headers)
@@ -160,11 +160,11 @@ def test_api_key(srv):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
     finally:
-        srv.state.api_key = None
+        srv.state.config.api_key = None
 
 
 def test_disconnect_mid_stream_frees_resources(srv):
-    cancelled = watch_counter(srv, "pbkv_cancelled_requests_total")
+    cancelled = watch_counter(srv.state.metrics.cancelled)
     body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 1000, "temperature": 0, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
@@ -172,21 +172,22 @@ def test_disconnect_mid_stream_frees_resources(srv):
             if line.startswith("data: "):
                 break  # the first token arrived: hang up
     assert cancelled.wait(30), "the server did not cancel the abandoned stream"
-    state = on_engine(srv, lambda: (len(srv.state.worker.backend.jobs), srv.state.worker.backend.running(),
-                                    srv.state.worker.backend.queued(), srv.state.worker.backend.cache.reserved))
+    worker = srv.state.worker
+    state = on_engine(srv, lambda: (len(worker.jobs), worker.engine.running_count, worker.engine.queue_depth,
+                                    worker.engine.cache.reserved))
     assert state == (0, 0, 0, 0)
     assert srv.state.worker.in_flight == 0
     assert httpx.get(srv.url + "/health").status_code == 200
 
 
 def test_disconnect_while_waiting_for_a_plain_answer_cancels_it(srv):
-    cancelled = watch_counter(srv, "pbkv_cancelled_requests_total")
+    cancelled = watch_counter(srv.state.metrics.cancelled)
     body = {"model": "tiny", "prompt": "another long answer", "max_tokens": 1000, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(srv.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
     assert cancelled.wait(30), "the server did not cancel the abandoned request"
-    assert on_engine(srv, lambda: len(srv.state.worker.backend.jobs)) == 0
+    assert on_engine(srv, lambda: len(srv.state.worker.jobs)) == 0
 
 
 def test_cli_refuses_a_policy_that_needs_the_future():

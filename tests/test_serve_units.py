@@ -11,8 +11,8 @@ from pbkv.serve.metrics import Metrics, parse  # noqa: E402
 from pbkv.serve.recorder import TraceRecorder  # noqa: E402
 from pbkv.serve.schemas import ChatRequest, CompletionRequest  # noqa: E402
 from pbkv.serve.tokenizer import ByteTokenizer, Detokenizer  # noqa: E402
-from pbkv.serve.workflows import WorkflowTable  # noqa: E402
-from pbkv.trace import Call, read_trace  # noqa: E402
+from pbkv.serve.workflows import OTHER_AGENT, Hints, WorkflowTable  # noqa: E402
+from pbkv.trace import DEFAULT_AGENT, Call, read_trace  # noqa: E402
 
 TOK = ByteTokenizer(512)
 
@@ -51,17 +51,17 @@ def test_detokenizer_stops_and_holds_back():
 
 def test_workflow_table_lifecycle():
     t = WorkflowTable(idle_timeout=10.0, session="s")
-    r1, step, new = t.begin("a", "router", now=0.0)
+    r1, step, new = t.begin(Hints("a", "router"), now=0.0)
     assert (step, new) == (0, True)
-    r1b, step, new = t.begin("a", "coder", now=1.0)
+    r1b, step, new = t.begin(Hints("a", "coder"), now=1.0)
     assert r1b is r1 and (step, new) == (1, False)
     assert not t.finish(r1, 2.0) and not t.finish(r1, 3.0)          # hinted: stays open
     assert t.expired(12.0) == [] and t.expired(13.5) == [r1]          # idle > 10 s by the clock
     assert r1.ending == "idle"
     t.remove(r1)
-    r2, step, new = t.begin("a", None, now=20.0)                      # same id later: a new run
-    assert new and step == 0 and r2.wf != r1.wf and r2.record_id != r1.record_id
-    assert r2.agents == ["default"]
+    r2, step, new = t.begin(Hints("a"), now=20.0)                     # same id later: a new run
+    assert new and step == 0 and r2.workflow != r1.workflow and r2.record_id != r1.record_id
+    assert r2.agents == [DEFAULT_AGENT] and r2.workflow_id == "a"
     # an end request while a call is in flight ends the run when that call finishes
     assert t.request_end("a") is None
     assert t.finish(r2, 21.0) and r2.ending == "endpoint"
@@ -69,10 +69,10 @@ def test_workflow_table_lifecycle():
     with pytest.raises(KeyError):
         t.request_end("a")
     # one-call runs end right after their call; `done` marks the last call
-    r3, _, _ = t.begin(None, None, now=30.0)
+    r3, _, _ = t.begin(Hints(), now=30.0)
     assert t.finish(r3, 31.0) and r3.ending == "single"
-    r4, _, _ = t.begin("b", "x", now=30.0, done=True)
-    r5, _, new = t.begin("b", "x", now=30.5)
+    r4, _, _ = t.begin(Hints("b", "x", done=True), now=30.0)
+    r5, _, new = t.begin(Hints("b", "x"), now=30.5)
     assert new and r5 is not r4 and t.finish(r4, 31.0) and r4.ending == "done"
     t.remove(r3)
     t.remove(r4)
@@ -80,6 +80,14 @@ def test_workflow_table_lifecycle():
     assert t.all_live() == [r5] and r5.ending == "shutdown"
     with pytest.raises(ValueError):
         WorkflowTable(idle_timeout=0)
+
+
+def test_workflow_table_caps_agent_names():
+    t = WorkflowTable(idle_timeout=10.0, session="s", max_agents=2)
+    run, _, _ = t.begin(Hints("w", "a"), now=0.0)
+    for agent in ("b", "c", "a", None, "d", "b"):
+        t.begin(Hints("w", agent), now=0.0)
+    assert run.agents == ["a", "b", OTHER_AGENT, "a", DEFAULT_AGENT, OTHER_AGENT, "b"]
 
 
 @pytest.mark.parametrize("body, param", [
@@ -111,16 +119,21 @@ def test_request_shapes_accepted():
 
 
 def test_metrics_text():
+    from prometheus_client.core import GaugeMetricFamily
     m = Metrics()
-    m.inc("pbkv_requests_total", 1, {"endpoint": "/x", "status": "200"})
-    m.inc("pbkv_requests_total", 2, {"endpoint": "/x", "status": "200"})
-    m.observe("pbkv_request_latency_seconds", 0.2)
-    text = m.render([("pbkv_queue_depth", "gauge", "q", [({}, 3)])])
+    m.requests.labels(endpoint="/x", status="200").inc()
+    m.requests.labels(endpoint="/x", status="200").inc(2)
+    m.latency.observe(0.2)
+    m.served(10, 3, {"device": 4, "host": 1, "disk": 0}, 5, cancelled=True)
+    text = m.exposition([GaugeMetricFamily("pbkv_queue_depth", "q", value=3)]).decode()
     values = parse(text)
     assert values['pbkv_requests_total{endpoint="/x",status="200"}'] == 3
     assert values['pbkv_request_latency_seconds_bucket{le="0.25"}'] == 1
     assert values["pbkv_request_latency_seconds_count"] == 1 and values["pbkv_queue_depth"] == 3
-    assert "# TYPE pbkv_request_latency_seconds histogram" in text
+    assert values['pbkv_cache_hit_tokens_total{tier="device"}'] == 4 and values["pbkv_cancelled_requests_total"] == 1
+    assert "# TYPE pbkv_request_latency_seconds histogram" in text and "_created" not in text
+    assert m.hit_rates() == {"device": 0.4, "host": 0.1, "disk": 0.0}
+    assert Metrics().hit_rates() == {"device": 0.0, "host": 0.0, "disk": 0.0}   # one registry per server
 
 
 def test_recorder_writes_valid_rotating_traces(tmp_path):

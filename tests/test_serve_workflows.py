@@ -1,6 +1,6 @@
 """Workflow hints on the real server: what the policy hears and in which order, ending by
 `workflow_done`, by the end endpoint and by idling (injected clock), the recorded traces, and
-online learning saved to / loaded from `--model-dir`."""
+online learning saved to / loaded from `--predictor`."""
 
 import httpx
 import openai
@@ -50,7 +50,7 @@ def events_of(srv, wf):
 
 
 def wf_of(srv, key):
-    return on_engine(srv, lambda: srv.state.worker.table.by_key[key].wf)
+    return on_engine(srv, lambda: srv.state.worker.table.by_id[key].workflow)
 
 
 def test_hinted_workflow_events_in_driver_order(srv, client):
@@ -90,7 +90,7 @@ def test_idle_workflows_end_by_the_injected_clock(srv, client):
     assert worker.expire_idle().result(30) == 0          # 59 s < the 60 s timeout
     srv.clock.t += 2
     worker.expire_idle().result(30)  # (the engine thread's own periodic check may have ended it first)
-    assert on_engine(srv, lambda: "idle-one" not in worker.table.by_key)
+    assert on_engine(srv, lambda: "idle-one" not in worker.table.by_id)
     assert httpx.post(srv.url + "/v1/workflows/idle-one/end").status_code == 404
     assert 'pbkv_workflows_ended_total{reason="idle"}' in httpx.get(srv.url + "/metrics").text
 
@@ -118,7 +118,7 @@ def test_recorded_traces_are_valid_and_match_the_prompts(srv, client):
 def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path):  # noqa: F811
     from pbkv.predict.predictor import NeuralPredictor
     model_dir = tmp_path / "predictor"
-    srv = start_server(policy="pbkv", model_dir=str(model_dir), learn_every=4, learn_steps=40)
+    srv = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
     try:
         assert not srv.state.setup.loaded
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -129,7 +129,7 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
     finally:
         srv.stop()
     assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
-    again = start_server(policy="pbkv", model_dir=str(model_dir))
+    again = start_server(policy="pbkv", predictor_dir=str(model_dir))
     try:
         setup = again.state.setup
         assert setup.loaded and isinstance(setup.policy.predictor, NeuralPredictor)

@@ -6,7 +6,7 @@ import pytest
 
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.bench.sweep import Source, SweepConfig, run_sweep
-from pbkv.cache import Capacities, RadixTree, TieredCache
+from pbkv.cache import CacheConfig, Capacities, RadixTree, TieredCache
 from pbkv.driver import Recorder, Replay
 from pbkv.engine.cost import CostModel
 from pbkv.engine.profiles import load_profile
@@ -63,7 +63,7 @@ def test_evicted_prefix_comes_back_from_host_and_costs_a_load():
 def test_oversized_call_is_a_clear_error():
     wl = one_workflow(Call("w", 0, "a", 160, 1, list(range(10))))
     with pytest.raises(ValueError, match="needs 161 tokens, more than the device capacity of 100"):
-        simulate(wl, RunConfig("lru", 1, PROFILE, device_tokens=100))
+        simulate(wl, RunConfig("lru", 1, PROFILE, cache=CacheConfig(device_tokens=100)))
 
 
 def test_closed_loop_runs_every_workflow_once_per_lane():
@@ -75,7 +75,8 @@ def test_closed_loop_runs_every_workflow_once_per_lane():
 @pytest.fixture(scope="module")
 def small_sweep():
     return SweepConfig(sources=[Source("hover", spec="hover", workflows=30, seed=3)],
-                       policies=["lru", "kvflow", "oracle"], concurrency=[4, 16], device_tokens=20_000, jobs=1)
+                       policies=["lru", "kvflow", "oracle"], concurrency=[4, 16], cache=CacheConfig(device_tokens=20_000),
+                       jobs=1)
 
 
 def test_sweep_records_have_the_required_fields(small_sweep):

@@ -44,7 +44,7 @@ def sched_output(new=(), n=()):
 
 def test_is_a_vllm_connector_with_the_documented_config():
     assert issubclass(PBKVConnector, KVConnectorBase_V1)
-    cfg = KVTransferConfig(**kv_transfer_config("pbkv", model_dir="m"))
+    cfg = KVTransferConfig(**kv_transfer_config("pbkv", predictor_dir="m"))
     assert cfg.kv_connector_module_path == "pbkv.integrations.vllm.connector"
 
 

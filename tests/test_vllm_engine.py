@@ -70,7 +70,7 @@ def run(mode, tmp_path):
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").exists(),
-                    reason=f"SmolLM2 not converted at {MODEL} (run `pbkv bench --engine hf --model-path smollm2` once)")
+                    reason=f"SmolLM2 not converted at {MODEL} (run `pbkv bench --engine hf --model smollm2` once)")
 def test_greedy_identical_and_connector_hits(tmp_path):
     plain, _ = run("off", tmp_path)
     with_pbkv, stats = run("on", tmp_path)

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from pbkv.bench.run import RunConfig, Workload, check_fits
-from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
+from pbkv.cache import Capacities, CapacityDefaults, RadixTree, Tier, TieredCache
 from pbkv.driver import Recorder, Replay
 from pbkv.policy import PolicyContext, make_policy, needs_future
 from pbkv.policy.future import Future
@@ -23,7 +23,7 @@ from pbkv.policy.future import Future
 
 @dataclass(frozen=True)
 class HFConfig:
-    model_path: str = "tiny"        # tiny | smollm2 | a local model directory
+    model: str = "tiny"             # tiny | smollm2 | a local model directory
     scale: float = 1.0
     output_scale: float | None = None  # outputs divided by this instead (None: `scale`)
     load_rule: str = "auto"
@@ -42,18 +42,16 @@ def get_model(hf: HFConfig):
     from pbkv.engine.hf import load_model
     if hf.threads:
         torch.set_num_threads(hf.threads)
-    key = (hf.model_path, hf.seed)
+    key = (hf.model, hf.seed)
     if key not in _models:
-        _models[key] = load_model(hf.model_path, seed=hf.seed)
+        _models[key] = load_model(hf.model, seed=hf.seed)
     return _models[key]
 
 
 def hf_capacities(workload: Workload, cfg: RunConfig) -> Capacities:
+    """The real engine's capacities: unset ones 8 x the longest call, host_ratio x, 8 x device."""
     longest = max(c.input_length + c.output_length for c in workload.trace.calls)
-    device = cfg.device_tokens or 8 * longest
-    host = cfg.host_tokens if cfg.host_tokens is not None else int(device * cfg.profile.host_ratio)
-    disk = cfg.disk_tokens if cfg.disk_tokens is not None else 8 * device
-    return Capacities(device, host, disk)
+    return cfg.cache.resolve(CapacityDefaults(8 * longest, host_ratio=cfg.profile.host_ratio, disk_ratio=8))
 
 
 def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> dict:
@@ -65,11 +63,12 @@ def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> d
     check_fits(scaled, caps.device)
     lm = get_model(hf)
     predictors = cfg.predictors
-    if predictors and not cfg.options.get("online_learner"):
+    if predictors and not cfg.online_learner:
         from pbkv.predict.cached import CachedPredictor
         predictors = {v: CachedPredictor(p, scaled.workflows) for v, p in predictors.items()}
     ctx = PolicyContext(block_size=scaled.trace.block_size, agent_graph=scaled.agent_graph,
-                        static_sequence=scaled.static_sequence, options=cfg.options, predictors=predictors)
+                        static_sequence=scaled.static_sequence, horizon=cfg.horizon,
+                        online_learner=cfg.online_learner, predictors=predictors)
     if needs_future(cfg.policy):
         # the oracle's rough per-call cost: CPU-scale prefill and decode speeds
         ctx.future = Future(scaled.workflows, scaled.trace.block_size, cfg.concurrency,

@@ -6,16 +6,16 @@ import random
 import time
 
 from pbkv.bench.run import RunConfig, Workload, simulate
-from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
+from pbkv.cache import CacheConfig, Capacities, RadixTree, Tier, TieredCache
 from pbkv.engine.profiles import load_profile
 from pbkv.policy import PolicyContext, make_policy
 
 
-def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, model: str | None = None) -> dict:
+def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, predictor: str | None = None) -> dict:
     from pbkv.workloads import generate, load_spec
     spec = load_spec(workload)
     wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
-    predictors = _predictors(policy, model)
+    predictors = _predictors(policy, predictor)
     start = time.perf_counter()  # batched predictions (as `pbkv bench` makes them) are timed too
     record = simulate(wl, RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
                                     predictors=predictors))
@@ -23,17 +23,16 @@ def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, mode
     return {"calls": record["calls"], "seconds": seconds, "calls_per_minute": record["calls"] / seconds * 60}
 
 
-def policy_overhead(workload: str, policy: str, model: str | None, workflows: int, concurrency: int,
-                    device_tokens: int | None, host_tokens: int | None) -> dict:
+def policy_overhead(workload: str, policy: str, predictor: str | None, workflows: int, concurrency: int,
+                    cache: CacheConfig) -> dict:
     """Wall time of the policy's decisions (live predictions, one per call, on one torch thread)
     against the simulated makespan of the same run: what the policy would add to serving time."""
     from pbkv.workloads import generate, load_spec
     spec = load_spec(workload)
     wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
-    predictors = _predictors(policy, model)
+    predictors = _predictors(policy, predictor)
     cfg = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
-                    device_tokens=device_tokens, host_tokens=host_tokens, predictors=predictors,
-                    options={"live_predictions": True})
+                    cache=cache, predictors=predictors, live_predictions=True)
     start = time.perf_counter()
     record = simulate(wl, cfg)
     return {"calls": record["calls"], "wall_seconds": time.perf_counter() - start,
@@ -42,13 +41,13 @@ def policy_overhead(workload: str, policy: str, model: str | None, workflows: in
             "overhead": record["policy_overhead"]}
 
 
-def _predictors(policy: str, model: str | None) -> dict:
+def _predictors(policy: str, predictor: str | None) -> dict:
     from pbkv.bench.predictors import load
     from pbkv.policy.registry import needed_predictor
     variant = needed_predictor(policy)
-    if variant and not model:
-        raise ValueError(f"{policy} needs a predictor: pass --model DIR (saved by `pbkv train`)")
-    return {variant: load(model)} if variant else {}
+    if variant and not predictor:
+        raise ValueError(f"{policy} needs a predictor: pass --predictor DIR (saved by `pbkv train`)")
+    return {variant: load(predictor)} if variant else {}
 
 
 def evict_speed(nodes: int, policy: str, seed: int = 0) -> dict:

@@ -1,7 +1,7 @@
 """Predictors for a benchmark: trained once in the main process, loaded by every worker.
 
 Where the training data comes from, in order:
-- `--model DIR`: a predictor saved by `pbkv train` (the "fused" variant);
+- `--predictor DIR`: a predictor saved by `pbkv train` (the "fused" variant);
 - `--train FILE...`: trained on those traces (every variant the policies need);
 - a generated workload: trained on the same generator with another seed (`seed + 1`), so the
   replayed workflows are never in the training set;
@@ -18,7 +18,7 @@ from pbkv.policy.registry import needed_predictor
 
 @dataclass(frozen=True)
 class PredictorSource:
-    model: str | None = None             # a saved predictor directory
+    predictor: str | None = None         # a saved predictor directory (the "fused" variant)
     train: tuple[str, ...] = ()          # trace files to train on
     horizon: int = 3
     epochs: int | None = None
@@ -39,8 +39,8 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
     todo: dict[str, tuple] = {}  # folder -> (trace files or generator source, variant)
     for source in sources:
         for variant in variants:
-            if psrc.model and variant == "fused":
-                paths[(source.name, variant)] = psrc.model
+            if psrc.predictor and variant == "fused":
+                paths[(source.name, variant)] = psrc.predictor
                 continue
             if psrc.train:
                 folder, data = out / f"train-{variant}", tuple(psrc.train)
@@ -49,7 +49,7 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
             else:
                 users = [p for p in policies if needed_predictor(p) == variant]
                 raise ValueError(f"{', '.join(users)} needs a trained {variant} predictor to replay "
-                                 f"{source.name}: pass --train FILE (or --model DIR)")
+                                 f"{source.name}: pass --train FILE (or --predictor DIR)")
             todo[str(folder)] = (data, variant)
             paths[(source.name, variant)] = str(folder)
     if len(todo) <= 1 or jobs <= 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
+from pbkv.cache import CacheConfig, Capacities, CapacityDefaults, RadixTree, Tier, TieredCache
 from pbkv.driver import Recorder, Replay
 from pbkv.engine.cost import CostModel
 from pbkv.engine.profiles import Profile
@@ -33,21 +33,22 @@ class Workload:
 
 @dataclass
 class RunConfig:
+    """One run. `horizon` and `online_learner` go to the policy (`PolicyContext`);
+    `live_predictions`: predict during the run (as a server does) instead of batched ahead."""
+
     policy: str
     concurrency: int | None          # None: open loop by trace `t`
     profile: Profile
-    device_tokens: int | None = None  # None: from the profile
-    host_tokens: int | None = None
-    disk_tokens: int | None = None
-    options: dict = field(default_factory=dict)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     predictors: dict = field(default_factory=dict)   # variant -> trained predictor
+    horizon: int | None = None       # None: the predictor's
+    online_learner: object = None    # pbkv.predict.online.OnlineLearner
+    live_predictions: bool = False
 
     def capacities(self) -> Capacities:
+        """The simulator's capacities: unset ones from the profile."""
         p = self.profile
-        device = self.device_tokens or p.device_tokens
-        host = self.host_tokens if self.host_tokens is not None else int(device * p.host_ratio)
-        disk = self.disk_tokens if self.disk_tokens is not None else p.disk_tokens
-        return Capacities(device, host, disk)
+        return self.cache.resolve(CapacityDefaults(p.device_tokens, host_ratio=p.host_ratio, disk=p.disk_tokens))
 
 
 def nominal_duration(cost: CostModel, concurrency: int | None) -> callable:
@@ -75,12 +76,12 @@ def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
     caps = cfg.capacities()
     check_fits(workload, caps.device)
     predictors = cfg.predictors
-    if predictors and not (cfg.options.get("online_learner") or cfg.options.get("live_predictions")):
+    if predictors and not (cfg.online_learner or cfg.live_predictions):
         from pbkv.predict.cached import CachedPredictor  # same answers, batched ahead of the run
         predictors = {v: CachedPredictor(p, workload.workflows) for v, p in predictors.items()}
     ctx = PolicyContext(block_size=workload.trace.block_size, agent_graph=workload.agent_graph,
-                        static_sequence=workload.static_sequence, options=cfg.options,
-                        predictors=predictors)
+                        static_sequence=workload.static_sequence, horizon=cfg.horizon,
+                        online_learner=cfg.online_learner, predictors=predictors)
     if needs_future(cfg.policy):
         ctx.future = Future(workload.workflows, workload.trace.block_size, cfg.concurrency,
                             nominal_duration(cost, cfg.concurrency))

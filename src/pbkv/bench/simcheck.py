@@ -19,6 +19,7 @@ from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.hf_run import HFConfig, get_model, hf_capacities, run_hf
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.bench.sweep import Source, load_workload
+from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
 
 COMPARED = [("mean_workflow_latency_s", "lat s", False), ("mean_ttft_s", "TTFT s", False),
@@ -38,7 +39,7 @@ def calibrate(hf: HFConfig, output: Path, max_len: int = 512, repeats: int = 2) 
 
 
 def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: HFConfig, profile: str,
-             caps: dict, predictor: predictors_mod.PredictorSource, out: Path, progress=None) -> list[dict]:
+             cache: CacheConfig, predictor: predictors_mod.PredictorSource, out: Path, progress=None) -> list[dict]:
     """Per policy, a record with `real_<key>` and `sim_<key>` for the figures in COMPARED."""
     from pbkv.engine.hf import scale_trace
     workload = load_workload(source)
@@ -48,10 +49,10 @@ def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: H
     prof = load_profile(profile)
     rows = []
     for policy in policies:
-        run = RunConfig(policy=policy, concurrency=concurrency, profile=prof, predictors=predictors, **caps)
+        run = RunConfig(policy=policy, concurrency=concurrency, profile=prof, predictors=predictors, cache=cache)
         real = run_hf(workload, run, hf)
         c = hf_capacities(scaled, run)
-        sim = simulate(scaled, replace(run, device_tokens=c.device, host_tokens=c.host, disk_tokens=c.disk))
+        sim = simulate(scaled, replace(run, cache=CacheConfig(c.device, c.host, c.disk)))
         row = {"policy": policy, "device_tokens": c.device, "host_tokens": c.host, "disk_tokens": c.disk}
         for key, _, _ in COMPARED:
             row[f"real_{key}"], row[f"sim_{key}"] = real[key], sim[key]

@@ -11,10 +11,17 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
 from pbkv.trace import read_trace
+
+if TYPE_CHECKING:  # imported where used: they pull in the real engine / the vLLM runner
+    from pbkv.bench.hf_run import HFConfig
+    from pbkv.bench.vllm_run import VLLMConfig
 
 RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "calls",
                "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
@@ -43,19 +50,23 @@ class Source:
 
 @dataclass
 class SweepConfig:
+    """Every run of a sweep. `horizon`: the predicting policies' K (None: the predictor's);
+    `online`: retrain the predictor from finished workflows during each run, starting from
+    `train_files` (or, for a generated workload, its training set)."""
+
     sources: list[Source]
     policies: list[str]
     concurrency: list[int | None]
     profile: str = "a6000-qwen3-32b"
-    device_tokens: int | None = None
-    host_tokens: int | None = None
-    disk_tokens: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
     jobs: int = field(default_factory=lambda: min(2, os.cpu_count() or 1))
-    options: dict = field(default_factory=dict)
+    horizon: int | None = None
+    online: bool = False
+    train_files: tuple[str, ...] = ()
     predictors: dict = field(default_factory=dict)   # (workload, variant) -> saved predictor dir
     engine: str = "sim"                              # sim | hf | vllm
-    hf: object = None                                # pbkv.bench.hf_run.HFConfig when engine == "hf"
-    vllm: object = None                              # pbkv.bench.vllm_run.VLLMConfig when engine == "vllm"
+    hf: HFConfig | None = None                       # the real engine's settings (engine "hf"; default HFConfig())
+    vllm: VLLMConfig | None = None                   # vLLM's settings (engine "vllm"; default VLLMConfig())
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,17 +86,15 @@ def _run_one(args: tuple) -> dict:
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         from pbkv.policy.registry import needed_predictor
         variant = needed_predictor(policy) if policy != "vllm" else None
-        return run_policy(load_workload(source), policy, concurrency, cfg.vllm or VLLMConfig(),
+        return run_policy(load_workload(source), policy, concurrency, (cfg.vllm or VLLMConfig()).with_cache(cfg.cache),
                           cfg.predictors.get((source.name, variant)) if variant else None)
     predictors = {variant: predictors_mod.load(path)
                   for (name, variant), path in cfg.predictors.items() if name == source.name}
-    options = dict(cfg.options)
-    if options.pop("online", False) and predictors:
-        options["online_learner"] = predictors_mod.online_learner(source, options.pop("train_files", []),
-                                                                   options.get("horizon", 3))
-    run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile),
-                    device_tokens=cfg.device_tokens, host_tokens=cfg.host_tokens,
-                    disk_tokens=cfg.disk_tokens, options=options, predictors=predictors)
+    learner = None
+    if cfg.online and predictors:
+        learner = predictors_mod.online_learner(source, list(cfg.train_files), cfg.horizon or 3)
+    run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile), cache=cfg.cache,
+                    predictors=predictors, horizon=cfg.horizon, online_learner=learner)
     if cfg.engine == "hf":
         from pbkv.bench.hf_run import HFConfig, run_hf
         record = run_hf(load_workload(source), run, cfg.hf or HFConfig())

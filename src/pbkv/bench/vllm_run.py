@@ -18,8 +18,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from pbkv.cache import CacheConfig, CapacityDefaults
 
 BASELINE = "vllm"
 BLOCK = 32                       # vLLM's block size here (the CPU backend wants a multiple of 32)
@@ -44,6 +46,11 @@ class VLLMConfig:
     max_tokens: int = 4               # cap on each call's output (CPU time)
     seed: int = 0
 
+    def with_cache(self, cache: CacheConfig) -> VLLMConfig:
+        """`cache`'s capacities over these: device tokens rounded up to whole blocks."""
+        caps = cache.resolve(CapacityDefaults(self.blocks * BLOCK, host=self.host_tokens, disk=self.disk_tokens))
+        return replace(self, blocks=-(-caps.device // BLOCK), host_tokens=caps.host, disk_tokens=caps.disk)
+
 
 def default_model() -> str:
     return str(Path(os.environ.get("PBKV_CACHE", Path.home() / ".cache" / "pbkv")) / "smollm2-135m-instruct")
@@ -58,7 +65,8 @@ def find_python(python: str | None) -> str:
                        f"create it with (.ci/run, step 2): {SETUP}")
 
 
-def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig, model_dir: str | None = None) -> dict:
+def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig,
+               predictor_dir: str | None = None) -> dict:
     """Run one setup in a vLLM child process; the bench record."""
     from pbkv.engine.hf.tokens import scale_trace
     from pbkv.trace import write_trace
@@ -67,7 +75,7 @@ def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig, 
     with tempfile.TemporaryDirectory(prefix="pbkv-vllm-") as tmp:
         trace = write_trace(scale_trace(workload.trace, cfg.scale, cfg.output_scale), Path(tmp) / "trace.jsonl")
         job = dict(asdict(cfg), model=cfg.model or default_model(), trace=str(trace), policy=policy,
-                   concurrency=concurrency, model_dir=model_dir, stats=str(Path(tmp) / "stats.json"))
+                   concurrency=concurrency, predictor_dir=predictor_dir, stats=str(Path(tmp) / "stats.json"))
         raw = run_worker(python, job)
     return to_record(raw, job, workload.name)
 
@@ -138,8 +146,8 @@ def replay(job: dict) -> dict:
     stats = Path(job["stats"]) if job["policy"] != BASELINE else None
     if stats is not None:
         extra = dict(host_tokens=job["host_tokens"], disk_tokens=job["disk_tokens"], stats_path=str(stats))
-        if job.get("model_dir"):
-            extra["model_dir"] = job["model_dir"]
+        if job.get("predictor_dir"):
+            extra["predictor_dir"] = job["predictor_dir"]
         kw["kv_transfer_config"] = kv_transfer_config(job["policy"], **extra)
     llm = LLM(**kw)
     mapper = TokenMapper(llm.get_tokenizer().vocab_size, trace.block_size, seed=job["seed"])

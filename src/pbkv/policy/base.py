@@ -28,15 +28,24 @@ class PolicyContext:
 
     `agent_graph` is the static workflow graph (agent -> possible next agents, with "START" and
     "END"), known to a developer who wrote the workflow; `static_sequence` is the agent order
-    when the workflow is static; `future` is the replayed trace's future, only for policies that read it (oracle, pbkv-perfect);
-    `predictors` maps a variant name ("fused", "history", "context") to a trained predictor."""
+    when the workflow is static; `future` is the replayed trace's future, only for policies that
+    read it (oracle, pbkv-perfect); `predictors` maps a variant name ("fused", "history",
+    "context") to a trained predictor.
+
+    Tuning: `horizon` is the steps ahead a predicting policy scores (None: its predictor's; must
+    not exceed it); `gamma` the per-step discount of pbkv's reuse score; `kvflow_horizon` the
+    steps-to-execution cap of kvflow; `online_learner` (pbkv.predict.online.OnlineLearner or
+    the server's TrafficLearner) hears finished workflows and hands back retrained predictors."""
 
     block_size: int = 16
     agent_graph: dict[str, list[str]] = field(default_factory=dict)
     static_sequence: list[str] | None = None
     future: Future | None = None
     predictors: dict = field(default_factory=dict)
-    options: dict = field(default_factory=dict)
+    horizon: int | None = None
+    gamma: float = 0.8
+    kvflow_horizon: int = 5
+    online_learner: object = None
 
 
 @dataclass

@@ -25,7 +25,7 @@ class KVFlowPolicy(Policy):
 
     def __init__(self, ctx: PolicyContext):
         super().__init__(ctx)
-        self.graph = StepGraph(ctx.agent_graph, horizon=int(ctx.options.get("kvflow_horizon", 5)),
+        self.graph = StepGraph(ctx.agent_graph, horizon=int(ctx.kvflow_horizon),
                                sequence=ctx.static_sequence)
         self.far = self.graph.horizon
         self.workflow_steps: dict[int, dict[str, int]] = {}  # active workflow -> agent -> steps

@@ -49,14 +49,13 @@ class PBKVPolicy(Policy):
         self.predictor = ctx.predictors.get(self.variant) if needs else None
         if self.predictor is None and needs:
             raise ValueError(f"policy {self.name!r} needs a trained {self.variant} predictor "
-                             f"(pbkv bench: --train FILE or --model DIR)")
-        opts = ctx.options
-        horizon = int(opts.get("horizon") or (self.predictor.horizon if self.predictor else 1))
+                             f"(pbkv bench: --train FILE or --predictor DIR)")
+        horizon = int(ctx.horizon or (self.predictor.horizon if self.predictor else 1))
         if self.predictor is not None and horizon > self.predictor.horizon:
             raise ValueError(f"--horizon {horizon} exceeds the predictor's horizon {self.predictor.horizon}")
-        self.scores = ReuseScores(gamma=float(opts.get("gamma", 0.8)), horizon=horizon)
+        self.scores = ReuseScores(gamma=float(ctx.gamma), horizon=horizon)
         self.monitor = QualityMonitor()
-        self.learner = opts.get("online_learner")
+        self.learner = ctx.online_learner
         self.history: dict[int, list[str]] = {}
         self.contexts: dict[int, list[str | None]] = {}
         self.hiddens: dict[int, object] = {}      # workflow -> hidden state of its latest prefill

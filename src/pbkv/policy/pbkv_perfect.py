@@ -21,6 +21,6 @@ class PBKVPerfectPolicy(PBKVPolicy):
     def __init__(self, ctx: PolicyContext):
         if ctx.future is None:
             raise ValueError("pbkv-perfect reads the replayed trace: it needs the trace's future")
-        horizon = int(ctx.options.get("horizon") or 3)
+        horizon = int(ctx.horizon or 3)
         perfect = PerfectPredictor(ctx.future.workflows, horizon)
         super().__init__(replace(ctx, predictors={**ctx.predictors, "perfect": perfect}))

@@ -2,11 +2,11 @@
 
     app.py       routes, error shapes, request counting     generate.py  one request: job, stream
     schemas.py   request/response bodies                     auth.py      API key, body limit, hints
-    worker.py    the engine thread (FCFS queue, batching)    backend.py   step-wise adapter of HFEngine
-    workflows.py hints -> workflow runs, idle timeouts       tokenizer.py byte / HF tokenizers, stops
-    metrics.py   Prometheus text                             gauges.py    engine snapshot for /metrics
-    recorder.py  --record: trace format v1 files             learning.py  policy, predictor, online learning
-    server.py    ServeConfig, run(), ServerThread            bench.py     serve-bench figures
+    worker.py    the engine thread: commands, HFEngine steps jobs.py      Job (one generation), Done
+    workflows.py Hints -> workflow runs, idle timeouts       tokenizer.py byte / HF tokenizers, stops
+    metrics.py   prometheus_client registry                  gauges.py    engine snapshot for /metrics
+    recorder.py  --record: trace files (docs/trace-format.md)             learning.py  policy, predictor, online learning
+    server.py    ServeConfig, run(), ServerThread
 
 Needs the `serve` extra (fastapi, uvicorn): `pip install 'pbkv[serve]'`.
 """

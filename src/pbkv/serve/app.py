@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI
 from pydantic import ValidationError
@@ -29,6 +29,10 @@ from pbkv.serve.generate import prepare, respond
 from pbkv.serve.metrics import CONTENT_TYPE, Metrics
 from pbkv.serve.tokenizer import Tokenizer
 from pbkv.serve.worker import EngineWorker
+from pbkv.serve.workflows import Hints
+
+if TYPE_CHECKING:  # server.py builds the state and imports this module
+    from pbkv.serve.server import ServeConfig
 
 log = logging.getLogger("pbkv.serve")
 ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
@@ -44,11 +48,7 @@ class ServerState:
     worker: EngineWorker
     metrics: Metrics
     max_context: int
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-    max_tokens_limit: int = 1024
-    default_max_tokens: int = 256
-    max_queue: int = 1024
+    config: ServeConfig                   # the limits: api_key, max_body_bytes, max_tokens_limit, ...
     created: int = field(default_factory=lambda: int(time.time()))
     setup: object = None                  # learning.PolicySetup (policy, learner, model dir)
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
@@ -76,11 +76,13 @@ class CountRequests:
             path = scope.get("path", "")
             if path not in ROUTES:
                 path = "/v1/workflows/{id}/end" if path.startswith("/v1/workflows/") else "other"
-            self.metrics.inc("pbkv_requests_total", 1, {"endpoint": path, "status": str(status[0])})
+            self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
-def _hints(request: Request) -> tuple[str | None, str | None]:
-    return header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")
+def _hints(request: Request, body: schemas._Common) -> Hints:
+    """The call's workflow hints: body fields first, then the headers `X-Workflow-Id`, `X-Agent`."""
+    workflow_id, agent = header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")  # both checked
+    return Hints(body.workflow_id or workflow_id, body.agent or agent, body.workflow_done)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -96,6 +98,14 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state
     app.add_middleware(CountRequests, metrics=state.metrics)
+    _error_handlers(app)
+    _info_routes(app, state)
+    _completion_routes(app, state)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the OpenAI shape."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -114,26 +124,46 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(f"Internal server error ({type(exc).__name__}).", "server_error", None,
                                        "internal_error"), status_code=500)
 
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    """/health, /v1/models, /metrics, /v1/workflows/{workflow_id}/end."""
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": state.model_name, "policy": state.policy_name}
 
     @app.get("/v1/models")
     async def models(request: Request):
-        check_api_key(request, state.api_key)
+        check_api_key(request, state.config.api_key)
         return schemas.models_response(state.model_name, state.created)
 
     @app.get("/metrics")
     async def metrics(request: Request):
-        check_api_key(request, state.api_key)
-        snapshot = await asyncio.wrap_future(state.worker.call(
-            lambda: engine_snapshot(state.worker, state.metrics)))
-        return Response(state.metrics.render(snapshot), media_type=CONTENT_TYPE)
+        check_api_key(request, state.config.api_key)
+        worker = state.worker
+        snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
+            worker.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
+        return Response(state.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/workflows/{workflow_id}/end")
+    async def end_workflow(request: Request, workflow_id: str):
+        check_api_key(request, state.config.api_key)
+        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
+            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
+        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
+        if not found:
+            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
+                           INVALID, "workflow_id", "workflow_not_found")
+        return {"id": workflow_id, "object": "workflow", "ended": True}
+
+
+def _completion_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/chat/completions and /v1/completions."""
 
     async def _parse(request: Request, schema):
         """Auth, size limit, JSON, then the schema: each failure is an OpenAI-style 4xx."""
-        check_api_key(request, state.api_key)
-        data = await read_json(request, state.max_body_bytes)
+        check_api_key(request, state.config.api_key)
+        data = await read_json(request, state.config.max_body_bytes)
         try:
             return schema.model_validate(data)
         except ValidationError as e:
@@ -144,7 +174,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = await _parse(request, schemas.ChatRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt_ids = state.tokenizer.chat(messages)
-        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, *_hints(request))
+        p = prepare(state, body, prompt_ids, messages[-1]["content"], True, _hints(request, body))
         return await respond(state, request, p)
 
     @app.post("/v1/completions")
@@ -159,20 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
                 raise bad_request(f"Token id {bad[0]} is outside the vocabulary [0, {state.tokenizer.vocab_size}).",
                                   "prompt", "invalid_value")
             text = state.tokenizer.decode(prompt_ids)
-        p = prepare(state, body, prompt_ids, text, False, *_hints(request))
+        p = prepare(state, body, prompt_ids, text, False, _hints(request, body))
         if body.echo:
             p.echo = text
         return await respond(state, request, p)
-
-    @app.post("/v1/workflows/{workflow_id}/end")
-    async def end_workflow(request: Request, workflow_id: str):
-        check_api_key(request, state.api_key)
-        if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
-            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
-        found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
-        if not found:
-            raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
-                           INVALID, "workflow_id", "workflow_not_found")
-        return {"id": workflow_id, "object": "workflow", "ended": True}
-
-    return app

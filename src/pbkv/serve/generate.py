@@ -20,8 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pbkv.engine.hf.sampling import Sampling
 from pbkv.serve import schemas
-from pbkv.serve.backend import ERROR, Job
 from pbkv.serve.errors import APIError, bad_request, model_not_found, overloaded
+from pbkv.serve.jobs import ERROR, Done, Job
+from pbkv.serve.workflows import Hints
 
 CONTEXT_CHARS = 500      # the latest message, as the predictor's `context` text
 CLIENT_GONE = 499        # status of an answer nobody waits for any more (nginx's convention)
@@ -30,8 +31,6 @@ CLIENT_GONE = 499        # status of an answer nobody waits for any more (nginx'
 @dataclass
 class Prepared:
     job: Job
-    hints: tuple[str | None, str | None, bool]
-    stops: list[str]
     chat: bool
     stream: bool = False
     stream_usage: bool = False
@@ -39,7 +38,7 @@ class Prepared:
 
 
 def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | None, chat: bool,
-            workflow_id: str | None, agent: str | None) -> Prepared:
+            hints: Hints) -> Prepared:
     """Checks shared by both endpoints; raises `APIError` (4xx) for every client mistake."""
     if body.model != state.model_name:
         raise model_not_found(body.model, state.model_name)
@@ -47,9 +46,10 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
     if not prompt_ids:
         raise bad_request("The prompt is empty.", param, "invalid_value")
     wanted = body.wanted_tokens()
-    max_tokens = state.default_max_tokens if wanted is None else wanted
-    if max_tokens > state.max_tokens_limit:
-        raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {state.max_tokens_limit}.",
+    limits = state.config
+    max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit) if wanted is None else wanted
+    if max_tokens > limits.max_tokens_limit:
+        raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}.",
                           "max_tokens", "invalid_value")
     limit = state.max_context
     if len(prompt_ids) + max_tokens > limit:
@@ -57,16 +57,15 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
                           f"for the completion). Please reduce the prompt or max_tokens.", param,
                           "context_length_exceeded")
-    if state.worker.in_flight >= state.max_queue:
+    if state.worker.in_flight >= limits.max_queue:
         raise overloaded(state.worker.in_flight)
     sampling = Sampling(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                         ignore_eos=body.ignore_eos)   # EOS ids: the engine's (the tokenizer's)
-    job = Job(list(prompt_ids), sampling, context=context[-CONTEXT_CHARS:] if context else None)
-    hints = (body.workflow_id or workflow_id, body.agent or agent, body.workflow_done)
-    return Prepared(job, hints, body.stops(), chat, body.stream, body.include_usage())
+    job = Job(list(prompt_ids), sampling, hints, body.stops(), context[-CONTEXT_CHARS:] if context else None)
+    return Prepared(job, chat, body.stream, body.include_usage())
 
 
-async def _events(handle, request: Request):
+async def _events(job: Job, request: Request):
     """The job's events as they come; raises `ConnectionError` as soon as the client disconnects.
 
     The body was read in full, so the next ASGI `receive()` resolves only when the client goes
@@ -74,14 +73,14 @@ async def _events(handle, request: Request):
     gone = asyncio.ensure_future(request.receive())
     try:
         while True:
-            get = asyncio.ensure_future(handle.events.get())
+            get = asyncio.ensure_future(job.events.get())
             await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not get.done():
                 get.cancel()
                 raise ConnectionError("client disconnected")
             yield get.result()
-            while not handle.events.empty():  # a burst of tokens: no task per event
-                yield handle.events.get_nowait()
+            while not job.events.empty():  # a burst of tokens: no task per event
+                yield job.events.get_nowait()
     finally:
         gone.cancel()
 
@@ -89,35 +88,33 @@ async def _events(handle, request: Request):
 async def respond(state, request: Request, p: Prepared):
     worker = state.worker
     start = time.perf_counter()
-    handle = worker.submit(p.job, *p.hints, p.stops)
+    job = worker.submit(p.job)
     rid = schemas.new_id("chatcmpl" if p.chat else "cmpl")
     if p.stream:
-        return StreamingResponse(_stream(state, handle, p, rid, start), media_type="text/event-stream",
+        return StreamingResponse(_stream(state, p, rid, start), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     parts, done, first = [], None, None
     try:
-        async with aclosing(_events(handle, request)) as events:
+        async with aclosing(_events(job, request)) as events:
             async for event in events:
-                if event[0] == "text":
-                    first = first or time.perf_counter()
-                    parts.append(event[1])
-                else:
+                if isinstance(event, Done):
                     done = event
                     break
+                first = first or time.perf_counter()
+                parts.append(event)
     except ConnectionError:
         return Response(status_code=CLIENT_GONE)  # nobody reads it; counted in /metrics as 499
     finally:
         if done is None:  # the client went away: stop generating for nobody
-            worker.cancel(handle)
-    _, reason, info = done
-    if reason == ERROR:
-        raise APIError(500, f"The server failed while generating: {info.get('error')}", "server_error", None,
+            worker.cancel(job)
+    if done.reason == ERROR:
+        raise APIError(500, f"The server failed while generating: {done.error}", "server_error", None,
                        "engine_error")
     _observe(state, start, first)
     text = p.echo + "".join(parts)
     build = schemas.chat_response if p.chat else schemas.completion_response
-    return JSONResponse(build(rid, state.model_name, text, _finish(reason), info["prompt_tokens"],
-                              info["completion_tokens"]))
+    return JSONResponse(build(rid, state.model_name, text, _finish(done.reason), done.prompt_tokens,
+                              done.completion_tokens))
 
 
 def _finish(reason: str) -> str:
@@ -126,15 +123,15 @@ def _finish(reason: str) -> str:
 
 def _observe(state, start: float, first: float | None) -> None:
     now = time.perf_counter()
-    state.metrics.observe("pbkv_request_latency_seconds", now - start)
-    state.metrics.observe("pbkv_time_to_first_token_seconds", (first or now) - start)
+    state.metrics.latency.observe(now - start)
+    state.metrics.first_token.observe((first or now) - start)
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _stream(state, handle, p: Prepared, rid: str, start: float) -> AsyncIterator[str]:
+async def _stream(state, p: Prepared, rid: str, start: float) -> AsyncIterator[str]:
     model, created = state.model_name, int(time.time())
     done, first = None, None
     try:
@@ -143,30 +140,29 @@ async def _stream(state, handle, p: Prepared, rid: str, start: float) -> AsyncIt
         elif p.echo:
             yield _sse(schemas.completion_chunk(rid, model, created, p.echo))
         while done is None:
-            event = await handle.events.get()
-            if event[0] == "done":
+            event = await p.job.events.get()
+            if isinstance(event, Done):
                 done = event
             elif p.chat:
                 first = first or time.perf_counter()
-                yield _sse(schemas.chat_chunk(rid, model, created, {"content": event[1]}))
+                yield _sse(schemas.chat_chunk(rid, model, created, {"content": event}))
             else:
                 first = first or time.perf_counter()
-                yield _sse(schemas.completion_chunk(rid, model, created, event[1]))
-        _, reason, info = done
-        if reason == ERROR:
-            yield _sse({"error": {"message": f"The server failed while generating: {info.get('error')}",
+                yield _sse(schemas.completion_chunk(rid, model, created, event))
+        if done.reason == ERROR:
+            yield _sse({"error": {"message": f"The server failed while generating: {done.error}",
                                   "type": "server_error", "param": None, "code": "engine_error"}})
         else:
             _observe(state, start, first)
             if p.chat:
-                yield _sse(schemas.chat_chunk(rid, model, created, {}, _finish(reason)))
+                yield _sse(schemas.chat_chunk(rid, model, created, {}, _finish(done.reason)))
             else:
-                yield _sse(schemas.completion_chunk(rid, model, created, "", _finish(reason)))
+                yield _sse(schemas.completion_chunk(rid, model, created, "", _finish(done.reason)))
             if p.stream_usage:
                 obj = "chat.completion.chunk" if p.chat else "text_completion"
-                yield _sse(schemas.usage_chunk(rid, model, created, obj, info["prompt_tokens"],
-                                               info["completion_tokens"]))
+                yield _sse(schemas.usage_chunk(rid, model, created, obj, done.prompt_tokens,
+                                               done.completion_tokens))
         yield "data: [DONE]\n\n"
     finally:
         if done is None:  # the client went away (send failed or the task was cancelled)
-            state.worker.cancel(handle)
+            state.worker.cancel(p.job)

@@ -1,13 +1,13 @@
 """The policy a server runs, its predictor, and learning from the traffic it serves.
 
-- `--model-dir DIR` with a predictor saved by `pbkv train` (or by an earlier `pbkv serve`): it is
+- `--predictor DIR` with a predictor saved by `pbkv train` (or by an earlier `pbkv serve`): it is
   loaded; without one (or without the option) a policy that predicts starts from an empty Markov
   chain, which predicts nothing useful, so the quality monitor's trust falls and the order is
   LRU's until the first retrain;
 - online learning (on by default for predicting policies): the policy hands every ended workflow
   to `TrafficLearner` (retrains in a child process, serving never waits) and swaps in the new
   predictor when it is ready (`PBKVPolicy._learn`);
-- on shutdown the newest neural predictor is saved back to `--model-dir` (after a last retrain
+- on shutdown the newest neural predictor is saved back to `--predictor` (after a last retrain
   on workflows not yet learned from), each file replaced atomically.
 Policies that read a trace's future (the oracle) cannot serve: a server has no future.
 """
@@ -160,14 +160,13 @@ def build_policy(name: str, block_size: int, model_dir: str | Path | None = None
         learner = TrafficLearner(variant=variant, horizon=horizon, every=learn_every, background=True,
                                  target_steps=learn_steps)
         learner.nice = learn_nice
-    options = {"online_learner": learner} if learner is not None else {}
-    policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, options=options))
+    policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
     return PolicySetup(policy, learner, variant, model_dir, loaded)
 
 
 def finish_learning(setup: PolicySetup) -> Path | None:
     """At shutdown: wait for a retrain in progress, retrain on what is left (only when there is a
-    --model-dir to save it to), save. The path saved to, or None (nothing to save)."""
+    --predictor to save it to), save. The path saved to, or None (nothing to save)."""
     policy, learner = setup.policy, setup.learner
     if learner is not None:
         newest = learner.finish(final_train=setup.model_dir is not None)

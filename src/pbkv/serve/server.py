@@ -17,31 +17,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pbkv.cache import Capacities
+from pbkv.cache import CacheConfig, Capacities, CapacityDefaults
 from pbkv.serve.app import ServerState, create_app
 from pbkv.serve.metrics import Metrics
 from pbkv.serve.workflows import WorkflowTable
 
 log = logging.getLogger("pbkv.serve")
+SERVE_CAPACITY = CapacityDefaults(16384, host_ratio=2, disk_ratio=4)  # tokens when --device-tokens etc. are unset
 
 
 @dataclass
 class ServeConfig:
+    """Everything `pbkv serve` takes; the one home of its defaults (the app reads its limits
+    from here: `ServerState.config`)."""
+
     model: str = "tiny"                  # tiny | smollm2 | a local model directory
     policy: str = "pbkv"
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     served_name: str | None = None       # the id clients send as `model` (default: the model's name)
-    device_tokens: int = 16384
-    host_tokens: int | None = None       # default 2 x device
-    disk_tokens: int | None = None       # default 4 x device
-    disk_dir: str | None = None          # default: a temporary folder
-    block_size: int = 16
+    cache: CacheConfig = field(default_factory=CacheConfig)  # unset capacities: SERVE_CAPACITY
     record: str | None = None            # --record DIR
     record_rotate: int = 10_000          # calls per trace file
     record_context: bool = False         # write each call's latest message as `context`
-    model_dir: str | None = None
+    predictor_dir: str | None = None     # loaded at start (if present), saved on shutdown
     online: bool = True
     learn_every: int = 50                # retrain after this many ended workflows
     learn_steps: int = 300               # optimiser steps per retrain (~6 s on one core for 50 workflows)
@@ -59,9 +59,7 @@ class ServeConfig:
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     def capacities(self) -> Capacities:
-        host = 2 * self.device_tokens if self.host_tokens is None else self.host_tokens
-        disk = 4 * self.device_tokens if self.disk_tokens is None else self.disk_tokens
-        return Capacities(self.device_tokens, host, disk)
+        return self.cache.resolve(SERVE_CAPACITY)
 
 
 def build_state(cfg: ServeConfig) -> ServerState:
@@ -69,7 +67,6 @@ def build_state(cfg: ServeConfig) -> ServerState:
     import torch
 
     from pbkv.engine.hf import load_model
-    from pbkv.serve.backend import ServingEngine
     from pbkv.serve.learning import build_policy, finish_learning
     from pbkv.serve.recorder import TraceRecorder
     from pbkv.serve.tokenizer import tokenizer_for
@@ -78,35 +75,45 @@ def build_state(cfg: ServeConfig) -> ServerState:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     for name in ("max_tokens_limit", "default_max_tokens", "max_queue", "max_running", "max_body_bytes",
-                 "block_size", "record_rotate", "learn_every", "learn_steps", "max_agents"):
+                 "record_rotate", "learn_every", "learn_steps", "max_agents"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
-    setup = build_policy(cfg.policy, cfg.block_size, cfg.model_dir, cfg.online, cfg.learn_every,
+    if cfg.cache.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1, got {cfg.cache.block_size}")
+    block_size = cfg.cache.block_size
+    setup = build_policy(cfg.policy, block_size, cfg.predictor_dir, cfg.online, cfg.learn_every,
                          learn_steps=cfg.learn_steps, learn_nice=cfg.learn_nice)
     lm = load_model(cfg.model, seed=cfg.seed)
     tokenizer = tokenizer_for(lm.tokenizer, lm.vocab_size)
     caps = cfg.capacities()
-    backend = ServingEngine(lm, setup.policy, caps, cfg.block_size, cfg.disk_dir, max_running=cfg.max_running,
-                            eos_ids=tokenizer.eos_ids)
-    table = WorkflowTable(cfg.idle_timeout)
+    engine = _engine(cfg, lm, setup.policy, caps, tokenizer.eos_ids)
+    table = WorkflowTable(cfg.idle_timeout, max_agents=cfg.max_agents)
     metrics = Metrics()
     name = cfg.served_name or Path(cfg.model).name
-    recorder = TraceRecorder(cfg.record, table.session, cfg.block_size, name, cfg.record_rotate) if cfg.record else None
-    worker = EngineWorker(backend, tokenizer, table, metrics, recorder, cfg.clock, cfg.max_agents, cfg.record_context)
+    recorder = TraceRecorder(cfg.record, table.session, block_size, name, cfg.record_rotate) if cfg.record else None
+    worker = EngineWorker(engine, tokenizer, table, metrics, recorder, cfg.clock, cfg.record_context)
     positions = getattr(lm.model.config, "max_position_embeddings", None) or caps.device
     state = ServerState(model_name=name, policy_name=cfg.policy, tokenizer=tokenizer, worker=worker,
-                        metrics=metrics, max_context=min(positions, caps.device), api_key=cfg.api_key,
-                        max_body_bytes=cfg.max_body_bytes, max_tokens_limit=cfg.max_tokens_limit,
-                        default_max_tokens=min(cfg.default_max_tokens, cfg.max_tokens_limit), max_queue=cfg.max_queue)
+                        metrics=metrics, max_context=min(positions, caps.device), config=cfg)
     state.setup = setup
 
     def save_predictor():
         saved = finish_learning(setup)
         if saved is not None:
             log.info("saved the predictor to %s", saved)
-    state.on_shutdown += [worker.stop, save_predictor, backend.close]
+    state.on_shutdown += [worker.stop, save_predictor, engine.close]
     worker.start()
     return state
+
+
+def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
+    """The real engine over a fresh tiered cache; the worker thread owns both."""
+    from pbkv.cache import RadixTree, TieredCache
+    from pbkv.engine.hf import EngineOptions, HFEngine
+
+    cache = TieredCache(RadixTree(cfg.cache.block_size), caps, policy)
+    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir,
+                    options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
 
 
 def run(cfg: ServeConfig, log_level: str = "info") -> None:

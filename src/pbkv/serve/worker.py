@@ -1,18 +1,20 @@
-"""The engine thread: one FCFS command queue in, per-request asyncio queues out.
+"""The engine thread: one FCFS command queue in, per-job asyncio queues out.
 
 The event loop never touches the engine, the cache, the policy or the workflow table: it puts
-commands (submit, cancel, end a workflow, run a function) on a thread-safe queue, and the engine
-thread answers through `loop.call_soon_threadsafe` into each request's `asyncio.Queue` (or a
+commands (`Submit`, `Cancel`, `Invoke`, `Stop`) on a thread-safe queue, and the engine thread
+answers through `loop.call_soon_threadsafe` into each job's `asyncio.Queue` (or a
 `concurrent.futures.Future`). So a slow forward pass never blocks the event loop, and no lock
 guards engine state: one thread owns it.
 
 The thread drains every queued command before each engine step (arrival order = submission
-order: FCFS), ends idle workflows by the injected clock, then runs one step (one prefill, or one
-decode step of every running request: continuous batching). With no work it blocks on the
-queue (up to `idle_wait` seconds, so idle workflows still expire without traffic).
+order: FCFS), ends idle workflows by the injected clock, then runs one `HFEngine.step()` (one
+prefill, or one decode step of every running request: continuous batching). With no work it
+blocks on the queue (up to `idle_wait` seconds, so idle workflows still expire without traffic).
 
-Events a request's queue receives: `("text", str)` zero or more times, then exactly one
-`("done", reason, info)` with reason "stop" | "length" | "cancelled" | "error".
+Each job becomes one `Request` of its workflow run (`HFEngine`'s step-wise API); EOS ids are the
+engine's, stop strings the job's detokenizer's (`on_token` returns True to stop); a queue head
+that can never fit (`Stuck`) or an engine failure ends jobs with "error".
+Invariant: every submitted job gets exactly one `Done`, after its text, in order.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import secrets
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Callable
 
-from pbkv.serve.backend import CANCELLED, ERROR, Job, ServingEngine
+from pbkv.engine.hf import CANCELLED, ERROR, HFEngine, Sampling, Stuck, block_hashes
+from pbkv.engine.request import Request
+from pbkv.serve.jobs import Done, Job
 from pbkv.serve.metrics import Metrics
 from pbkv.serve.recorder import TraceRecorder
 from pbkv.serve.tokenizer import Detokenizer, Tokenizer
@@ -33,33 +39,40 @@ from pbkv.serve.workflows import Run, WorkflowTable
 from pbkv.trace import Call
 
 log = logging.getLogger("pbkv.serve")
-OTHER_AGENT = "other"
 
 
-class Handle:
-    """The event loop's side of one request."""
+@dataclass
+class Submit:
+    job: Job
 
-    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop):
-        self.job, self.loop = job, loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.req = None  # the engine's Request, set on the engine thread
 
-    def put(self, event: tuple) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop is closed (shutdown): nobody is listening any more
-            pass
+@dataclass
+class Cancel:
+    job: Job
+
+
+@dataclass
+class Invoke:
+    fn: Callable[[], object]
+    future: Future
+
+
+@dataclass
+class Stop:
+    pass
 
 
 class EngineWorker:
-    def __init__(self, backend: ServingEngine, tokenizer: Tokenizer, table: WorkflowTable, metrics: Metrics,
+    def __init__(self, engine: HFEngine, tokenizer: Tokenizer, table: WorkflowTable, metrics: Metrics,
                  recorder: TraceRecorder | None = None, clock: Callable[[], float] = time.monotonic,
-                 max_agents: int = 256, record_context: bool = False, idle_wait: float = 1.0):
-        self.backend, self.tok, self.table, self.metrics = backend, tokenizer, table, metrics
+                 record_context: bool = False, idle_wait: float = 1.0):
+        self.engine, self.tok, self.table, self.metrics = engine, tokenizer, table, metrics
         self.recorder, self.clock, self.idle_wait = recorder, clock, idle_wait
-        self.max_agents, self.record_context = max_agents, record_context
+        self.record_context = record_context
         self.origin = clock()
-        self.agents: set[str] = set()
+        self.jobs: dict[int, Job] = {}   # id(request) -> its job, until the job's Done
+        self.peak_running = 0            # most requests generating at once (batching at work)
+        self._seed = secrets.randbits(63)
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="pbkv-engine", daemon=True)
         self._count_lock = threading.Lock()
@@ -70,154 +83,184 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job, key: str | None, agent: str | None, done: bool,
-               stops: list[str]) -> Handle:
-        handle = Handle(job, asyncio.get_running_loop())
+    def submit(self, job: Job) -> Job:
+        """Queue `job`; read its events from `job.events`."""
+        job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self._count(+1)
-        self._q.put(("submit", handle, key, agent, done, stops))
-        return handle
+        self._q.put(Submit(job))
+        return job
 
     def _count(self, delta: int) -> None:
         with self._count_lock:
             self.in_flight += delta
 
-    def cancel(self, handle: Handle) -> None:
-        self._q.put(("cancel", handle))
+    def cancel(self, job: Job) -> None:
+        self._q.put(Cancel(job))
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run `fn()` on the engine thread (after every command queued before); its result."""
-        fut: Future = Future()
-        self._q.put(("call", fn, fut))
-        return fut
+        future: Future = Future()
+        self._q.put(Invoke(fn, future))
+        return future
 
     def expire_idle(self) -> Future:
         """End idle workflows now (the thread also does it about every second); how many ended."""
         return self.call(lambda: self._reap(self.clock()))
 
-    def end_workflow(self, key: str) -> Future:
-        """`POST /v1/workflows/{key}/end`: resolves to False for an unknown (or ended) id."""
-        return self.call(lambda: self._end_key(key))
+    def end_workflow(self, workflow_id: str) -> Future:
+        """`POST /v1/workflows/{workflow_id}/end`: resolves to False for an unknown (or ended) id."""
+        return self.call(lambda: self._end_workflow_id(workflow_id))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is queued or runs, end every workflow (the policy hears it), close the recorder."""
         if self._thread.is_alive():
-            self._q.put(("stop",))
+            self._q.put(Stop())
             self._thread.join(timeout)
 
-    # ------------------------------------------------------------------ engine thread
+    # ------------------------------------------------------------------ engine thread: the loop
 
     def _main(self) -> None:
         next_reap = self.clock()
         while True:
-            try:
-                cmd = self._q.get(timeout=self.idle_wait) if not self.backend.busy() else self._q.get_nowait()
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                if cmd[0] == "stop":
+            for cmd in self._commands():
+                if isinstance(cmd, Stop):
                     return self._shutdown()
                 self._command(cmd)
-                try:
-                    cmd = self._q.get_nowait()
-                except queue.Empty:
-                    cmd = None
             now = self.clock()
             if now >= next_reap:
                 next_reap = now + min(1.0, self.table.idle_timeout / 4)
                 self._reap(now)
-            if self.backend.busy():
+            if self.engine.busy:
                 try:
-                    self.backend.step()
+                    self._step()
                 except Exception as e:  # noqa: BLE001 - answer the clients, keep serving
                     log.exception("engine step failed")
-                    self.backend.fail_all(f"the engine failed: {type(e).__name__}: {e}")
+                    self._fail_all(f"the engine failed: {type(e).__name__}: {e}")
 
-    def _command(self, cmd: tuple) -> None:
-        kind = cmd[0]
+    def _commands(self):
+        """Every queued command, in order; with nothing to run, waits up to `idle_wait` for one."""
         try:
-            if kind == "submit":
-                self._submit(*cmd[1:])
-            elif kind == "cancel":
-                handle = cmd[1]
-                if handle.req is not None:  # a request that already ended is left alone
-                    self.backend.cancel(handle.req)
-            elif kind == "call":
-                fn, fut = cmd[1], cmd[2]
-                try:
-                    fut.set_result(fn())
-                except Exception as e:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(e)
+            cmd = self._q.get_nowait() if self.engine.busy else self._q.get(timeout=self.idle_wait)
+        except queue.Empty:
+            return
+        while True:
+            yield cmd
+            try:
+                cmd = self._q.get_nowait()
+            except queue.Empty:
+                return
+
+    def _command(self, cmd: Submit | Cancel | Invoke) -> None:
+        try:
+            match cmd:
+                case Submit(job):
+                    self._submit(job)
+                case Cancel(job):
+                    if job.req is not None:  # the engine ignores a request that already ended
+                        self.engine.cancel(job.req)
+                case Invoke(fn, future):
+                    try:
+                        future.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        future.set_exception(e)
         except Exception as e:  # noqa: BLE001 - one bad command must not stop the engine thread
-            log.exception("command %s failed", kind)
-            if kind == "submit" and cmd[1].req is None:  # it never reached the engine
+            log.exception("command %s failed", type(cmd).__name__)
+            if isinstance(cmd, Submit) and cmd.job.req is None:  # it never reached the engine
                 self._count(-1)
-                cmd[1].put(("done", ERROR, {"error": f"{type(e).__name__}: {e}"}))
+                cmd.job.put(Done(ERROR, len(cmd.job.prompt_ids), error=f"{type(e).__name__}: {e}"))
 
-    def _agent(self, agent: str | None) -> str | None:
-        """Agent names are client strings: at most `max_agents` distinct ones, the rest 'other'."""
-        if agent is None or agent in self.agents:
-            return agent
-        if len(self.agents) >= self.max_agents:
-            return OTHER_AGENT
-        self.agents.add(agent)
-        return agent
-
-    def _submit(self, handle: Handle, key: str | None, agent: str | None, done: bool, stops: list[str]) -> None:
-        job, now = handle.job, self.clock()
-        run, step, new = self.table.begin(key, self._agent(agent), now, done, job.context)
-        if new:
-            self.metrics.inc("pbkv_workflows_started_total")
-            self.backend.start_workflow(run.wf, run.record_id)
-        job.workflow, job.record_id, job.step, job.agent = run.wf, run.record_id, step, run.agents[step]
-        detok = Detokenizer(self.tok, stops)
-        arrival = now
-
-        def on_token(j: Job, token: int) -> bool:
-            text = detok.push(token)
-            if text:
-                handle.put(("text", text))
-            return detok.stopped
-
-        def on_done(j: Job, reason: str, req) -> None:
-            tail = detok.finish()
-            if tail and reason != ERROR:
-                handle.put(("text", tail))
-            info = {"prompt_tokens": len(j.prompt_ids), "completion_tokens": len(j.tokens), "error": j.error}
-            if req is not None:
-                info.update(cached=req.device_hit + req.host_hit + req.disk_hit)
-                self._account(req, j)
-                self._record(run, j, req.call.hash_ids, arrival)
-            self._count(-1)
-            handle.put(("done", reason, info))
-            if self.table.finish(run, self.clock()):
-                self._end_run(run)
-
-        job.on_token, job.on_done = on_token, on_done
+    def _step(self) -> None:
+        """One engine iteration. A queue head that can never get device space is refused (the
+        server checks sizes before submitting, so this only happens when pins hold the device)."""
+        self.peak_running = max(self.peak_running, self.engine.running_count)  # the batch about to decode
         try:
-            handle.req = self.backend.submit(job)
+            self.engine.step()
+        except Stuck as e:
+            req = e.request
+            self.jobs[id(req)].error = (
+                f"the prompt ({req.call.input_length} tokens) plus max_tokens ({req.call.output_length}) "
+                f"does not fit the device KV space ({self.engine.cache.capacity.device} tokens) now")
+            self.engine.cancel(req, ERROR)
+
+    def _fail_all(self, message: str) -> None:
+        """The engine raised: end every job with an error (their clients get a 500)."""
+        for req in self.engine.requests:
+            job = self.jobs.get(id(req))
+            if job is None:
+                continue
+            job.error = message
+            try:
+                self.engine.cancel(req, ERROR)  # releases its space and pins; the policy hears the end
+            except Exception:  # noqa: BLE001 - the state is already broken: still answer the client
+                if id(req) in self.jobs:
+                    req.finish_reason = ERROR
+                    self._done(req)
+
+    # ------------------------------------------------------------------ engine thread: jobs
+
+    def _submit(self, job: Job) -> None:
+        job.arrival = self.clock()
+        run, step, new = self.table.begin(job.hints, job.arrival, job.context)
+        if new:
+            self.metrics.workflows_started.inc()
+            self.engine.start_workflow(run.workflow, run.record_id)
+        job.run, job.detok = run, Detokenizer(self.tok, job.stops)
+        ids = job.prompt_ids
+        call = Call(run.record_id, step, run.agents[step], len(ids), job.sampling.max_new_tokens,
+                    block_hashes(ids, self.engine.tree.block_size), context=job.context)
+        req = Request(call=call, workflow=run.workflow, on_done=self._done, sampling=self._seeded(job.sampling),
+                      on_token=self._token)
+        self.jobs[id(req)] = job
+        try:
+            self.engine.submit(req, ids)
         except Exception:
+            del self.jobs[id(req)]
             if self.table.finish(run, self.clock()):
                 self._end_run(run)
             raise
+        job.req = req
 
-    def _account(self, req, job: Job) -> None:
-        m = self.metrics  # per-tier hits are the engine's own count, taken when it first served the call
-        m.inc("pbkv_prompt_tokens_total", req.call.input_length)
-        m.inc("pbkv_completion_tokens_total", len(job.tokens))
-        for tier, hit in (("device", req.device_hit), ("host", req.host_hit), ("disk", req.disk_hit)):
-            m.inc("pbkv_cache_hit_tokens_total", hit, {"tier": tier})
-        m.inc("pbkv_cache_recomputed_tokens_total", req.recomputed)
-        if job.stop_reason == CANCELLED:
-            m.inc("pbkv_cancelled_requests_total")
+    def _seeded(self, sampling: Sampling) -> Sampling:
+        """Unseeded sampling gets a fresh seed per call (else the engine derives one from the call)."""
+        if (sampling.temperature or 0) > 0 and sampling.seed is None:
+            self._seed += 1
+            return replace(sampling, seed=self._seed)
+        return sampling
 
-    def _record(self, run: Run, job: Job, hash_ids: list[int], arrival: float) -> None:
+    def _token(self, req: Request, token: int) -> bool:
+        job = self.jobs[id(req)]
+        text = job.detok.push(token)
+        if text:
+            job.put(text)
+        return job.detok.stopped
+
+    def _done(self, req: Request) -> None:
+        job, reason = self.jobs.pop(id(req)), req.finish_reason
+        tail = job.detok.finish()
+        if tail and reason != ERROR:
+            job.put(tail)
+        completion = len(req.result.tokens) if req.result is not None else 0
+        # per-tier hits are the engine's own count, taken when it first served the call
+        hits = {"device": req.device_hit, "host": req.host_hit, "disk": req.disk_hit}
+        self.metrics.served(req.call.input_length, completion, hits, req.recomputed, reason == CANCELLED)
+        self._record(job, req, completion)
+        self._count(-1)
+        try:  # the run ends (policy told, trace written) before the answer: a client that has it sees the end
+            if self.table.finish(job.run, self.clock()):
+                self._end_run(job.run)
+        finally:
+            job.put(Done(reason, len(job.prompt_ids), completion, sum(hits.values()), job.error))
+
+    def _record(self, job: Job, req: Request, completion: int) -> None:
         if self.recorder is None:
             return
-        wait = None if run.last_finish is None else max(0.0, arrival - run.last_finish)
-        run.calls.append(Call(run.record_id, job.step, job.agent, len(job.prompt_ids), len(job.tokens),
-                              list(hash_ids), workload="serve", t=round(arrival - self.origin, 6),
-                              tool_wait=None if wait is None else round(wait, 6),
-                              context=job.context if self.record_context else None))
+        run, call = job.run, req.call
+        wait = None if run.last_finish is None else round(max(0.0, job.arrival - run.last_finish), 6)
+        run.calls.append(replace(call, output_length=completion, hash_ids=list(call.hash_ids), workload="serve",
+                                 t=round(job.arrival - self.origin, 6), tool_wait=wait,
+                                 context=call.context if self.record_context else None))
+
+    # ------------------------------------------------------------------ engine thread: workflow runs
 
     def _reap(self, now: float) -> int:
         runs = self.table.expired(now)
@@ -225,9 +268,9 @@ class EngineWorker:
             self._end_run(run)
         return len(runs)
 
-    def _end_key(self, key: str) -> bool:
+    def _end_workflow_id(self, workflow_id: str) -> bool:
         try:
-            run = self.table.request_end(key)
+            run = self.table.request_end(workflow_id)
         except KeyError:
             return False
         if run is not None:
@@ -235,17 +278,18 @@ class EngineWorker:
         return True
 
     def _end_run(self, run: Run) -> None:
-        self.backend.end_workflow(run.wf)
+        self.engine.end_workflow(run.workflow)
         self.table.remove(run)
-        self.metrics.inc("pbkv_workflows_ended_total", 1, {"reason": run.ending})
+        self.metrics.workflows_ended.labels(reason=run.ending).inc()
         if self.recorder is not None:
             self.recorder.record(run.calls)
 
     def _shutdown(self) -> None:
-        self.backend.cancel_all()
+        for req in self.engine.requests:
+            self.engine.cancel(req)
         deadline = time.monotonic() + 10.0
-        while self.backend.busy() and time.monotonic() < deadline:
-            self.backend.step()
+        while self.engine.busy and time.monotonic() < deadline:
+            self._step()
         for run in self.table.all_live():
             if run.in_flight == 0:
                 self._end_run(run)

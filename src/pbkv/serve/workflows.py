@@ -1,7 +1,8 @@
 """Which workflow a served call belongs to, and when each workflow ends.
 
-A call names its workflow with the hint `workflow_id` (body) or `X-Workflow-Id` (header) and its
-agent with `agent` / `X-Agent`. The table turns hints into workflow runs:
+A call names its workflow with the hint `workflow_id` (body) or `X-Workflow-Id` (header), its
+agent with `agent` / `X-Agent`, and its being the last with `workflow_done`: one `Hints` record,
+built by the HTTP layer (`generate.prepare`). The table turns hints into workflow runs:
 - the first call with an unknown id starts a run (the engine then tells the policy
   `on_workflow_start`, exactly as the simulator's driver does before a workflow's first call);
 - later calls with that id join the run, with steps 0, 1, 2, ... in arrival order;
@@ -11,8 +12,14 @@ agent with `agent` / `X-Agent`. The table turns hints into workflow runs:
 - a call without a workflow id is a run of its own, ended right after the call.
 Ending detaches the id at once: a call that arrives with the same id later starts a new run.
 
+Names: `workflow_id` is always the client's string; `Run.workflow` is the server's own int id of
+a run (what the engine, the cache and the policy call `workflow`); `Run.record_id` is the id the
+policy's `on_workflow_start` hears and the recorder writes (never the client's string: it may be
+anything). Agent names are client strings too: at most `max_agents` distinct ones are kept, later
+new ones become `OTHER_AGENT`; a call without one is `DEFAULT_AGENT`'s.
+
 Invariants: every run that starts ends exactly once; a run never ends while one of its calls is
-in flight; runs get distinct engine ids (ints, increasing) and distinct `record_id`s.
+in flight; runs get distinct `workflow` ids (ints, increasing) and distinct `record_id`s.
 
 Not thread-safe on purpose: the engine worker thread owns the table (as it owns the engine).
 """
@@ -22,16 +29,27 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-DEFAULT_AGENT = "default"
+from pbkv.trace import DEFAULT_AGENT
+
+OTHER_AGENT = "other"   # the agent of every call whose new name exceeds `max_agents`
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What one call says about its workflow; every field optional."""
+
+    workflow_id: str | None = None   # the client's workflow id; None: the call is a run of its own
+    agent: str | None = None         # None: DEFAULT_AGENT
+    done: bool = False               # this call is the workflow's last
 
 
 @dataclass(eq=False)
 class Run:
     """One workflow run. `calls` collects what the recorder writes when the run ends."""
 
-    wf: int
-    key: str | None          # the client's workflow id; None for a one-call run
-    record_id: str           # the id written to traces (never the client's string: it may be anything)
+    workflow: int                # the server's id of the run (the engine's and the policy's `workflow`)
+    workflow_id: str | None      # the client's workflow id; None for a one-call run
+    record_id: str               # the id the policy hears and traces get
     started: float
     last_active: float
     steps: int = 0
@@ -44,38 +62,49 @@ class Run:
 
 
 class WorkflowTable:
-    def __init__(self, idle_timeout: float = 300.0, session: str | None = None):
+    def __init__(self, idle_timeout: float = 300.0, session: str | None = None, max_agents: int = 256):
         if idle_timeout <= 0:
             raise ValueError(f"idle timeout must be > 0 seconds, got {idle_timeout}")
-        self.idle_timeout = idle_timeout
+        self.idle_timeout, self.max_agents = idle_timeout, max_agents
         self.session = session or secrets.token_hex(3)
-        self.by_key: dict[str, Run] = {}
+        self.agents: set[str] = set()
+        self.by_id: dict[str, Run] = {}     # client workflow id -> its live run
         self.live: dict[int, Run] = {}
         self._next = 0
         self.started = 0
         self.ended: dict[str, int] = {"done": 0, "endpoint": 0, "idle": 0, "single": 0, "shutdown": 0}
 
-    def begin(self, key: str | None, agent: str | None, now: float, done: bool = False,
-              context: str | None = None) -> tuple[Run, int, bool]:
-        """A call arrives: (its run, its step, whether the run is new). `done` marks it the last."""
-        run = self.by_key.get(key) if key is not None else None
+    def begin(self, hints: Hints, now: float, context: str | None = None) -> tuple[Run, int, bool]:
+        """A call arrives: (its run, its step, whether the run is new)."""
+        key = hints.workflow_id
+        run = self.by_id.get(key) if key is not None else None
         new = run is None
         if new:
             run = Run(self._next, key, f"{self.session}-{self._next}", now, now)
             self._next += 1
             self.started += 1
-            self.live[run.wf] = run
+            self.live[run.workflow] = run
             if key is not None:
-                self.by_key[key] = run
+                self.by_id[key] = run
         step = run.steps
         run.steps += 1
         run.in_flight += 1
         run.last_active = now
-        run.agents.append(agent or DEFAULT_AGENT)
+        run.agents.append(self._agent(hints.agent))
         run.contexts.append(context)
-        if done or key is None:
+        if hints.done or key is None:
             self._detach(run, "done" if key is not None else "single")
         return run, step, new
+
+    def _agent(self, agent: str | None) -> str:
+        """The agent name a call gets: at most `max_agents` distinct client names are kept."""
+        if agent is None:
+            return DEFAULT_AGENT
+        if agent not in self.agents:
+            if len(self.agents) >= self.max_agents:
+                return OTHER_AGENT
+            self.agents.add(agent)
+        return agent
 
     def finish(self, run: Run, now: float) -> bool:
         """A call of `run` completed (or failed); True when the run must end now."""
@@ -83,18 +112,18 @@ class WorkflowTable:
         run.last_active = run.last_finish = now
         return run.ending and run.in_flight == 0
 
-    def request_end(self, key: str) -> Run | None:
-        """`POST /v1/workflows/{key}/end`: the run to end now, or None (unknown id, or it ends when
-        its calls in flight finish). Raises KeyError for an id with no live run."""
-        run = self.by_key.get(key)
+    def request_end(self, workflow_id: str) -> Run | None:
+        """`POST /v1/workflows/{workflow_id}/end`: the run to end now, or None (it ends when its
+        calls in flight finish). Raises KeyError for an id with no live run."""
+        run = self.by_id.get(workflow_id)
         if run is None:
-            raise KeyError(key)
+            raise KeyError(workflow_id)
         self._detach(run, "endpoint")
         return run if run.in_flight == 0 else None
 
     def expired(self, now: float) -> list[Run]:
         """Runs idle (nothing in flight) for longer than the timeout: to end now."""
-        out = [r for r in self.by_key.values() if r.in_flight == 0 and now - r.last_active > self.idle_timeout]
+        out = [r for r in self.by_id.values() if r.in_flight == 0 and now - r.last_active > self.idle_timeout]
         for r in out:
             self._detach(r, "idle")
         return out
@@ -107,10 +136,10 @@ class WorkflowTable:
 
     def remove(self, run: Run) -> None:
         """The run ended (the caller told the engine); forget it."""
-        if self.live.pop(run.wf, None) is not None:
+        if self.live.pop(run.workflow, None) is not None:
             self.ended[run.ending] = self.ended.get(run.ending, 0) + 1
 
     def _detach(self, run: Run, reason: str) -> None:
         run.ending = run.ending or reason   # the first reason given is why it ends
-        if run.key is not None and self.by_key.get(run.key) is run:
-            del self.by_key[run.key]
+        if run.workflow_id is not None and self.by_id.get(run.workflow_id) is run:
+            del self.by_id[run.workflow_id]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_AGENT = "default"   # the agent of a call that names none (unhinted served calls, `generate`)
 
 
 @dataclass(slots=True)

@@ -52,7 +52,7 @@ from pbkv.engine.hf.tokens import TokenMapper, block_hashes
 from pbkv.engine.hf.transfer import Rates, WallClock, Worker
 from pbkv.engine.request import Request
 from pbkv.policy import CallEvent, Policy
-from pbkv.trace import Call
+from pbkv.trace import DEFAULT_AGENT, Call
 
 
 class HFEngine(ExecOps, CacheOps):
@@ -108,7 +108,7 @@ class HFEngine(ExecOps, CacheOps):
         self._waiting.append(req)
 
     def generate(self, token_ids: list[int], max_new_tokens: int, workflow: int | None = None,
-                 agent: str = "user", sampling: Sampling | None = None) -> Output:
+                 agent: str = DEFAULT_AGENT, sampling: Sampling | None = None) -> Output:
         """Serve one prompt given as token ids to completion (no driver needed)."""
         if not token_ids:
             raise ValueError("empty prompt")

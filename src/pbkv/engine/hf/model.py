@@ -101,7 +101,7 @@ def _from_path(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     p = Path(path)
     if not p.is_dir() or not (p / "config.json").is_file():
-        raise ModelLoadError(f"--model-path {path!r}: not 'tiny', 'smollm2' or a local model directory "
+        raise ModelLoadError(f"--model {path!r}: not 'tiny', 'smollm2' or a local model directory "
                              f"with a config.json")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)

@@ -4,10 +4,10 @@ Load it with no fork of vLLM:
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "PBKVConnector",
         "kv_connector_module_path": "pbkv.integrations.vllm.connector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {"policy": "pbkv", "model_dir": "predictor/"}}'
+        "kv_connector_extra_config": {"policy": "pbkv", "predictor_dir": "predictor/"}}'
 
-Extra config (all optional): `policy` (a pbkv policy name, default "lru" without `model_dir`,
-"pbkv" with one), `model_dir` (a predictor saved by `pbkv train`), `device_tokens` (pbkv's model
+Extra config (all optional): `policy` (a pbkv policy name, default "lru" without `predictor_dir`,
+"pbkv" with one), `predictor_dir` (a predictor saved by `pbkv train`), `device_tokens` (pbkv's model
 of vLLM's GPU prefix cache; default vLLM's whole pool), `host_tokens` (RAM tier, default 4 x
 device), `disk_tokens` (default 0: no disk tier), `disk_dir`, `steer_gpu` (default true: see
 `gpu_pool.py`), `stats_path` (a JSON file rewritten as requests finish).
@@ -34,7 +34,7 @@ require_vllm()
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
-from pbkv.cache import Capacities  # noqa: E402
+from pbkv.cache import CacheConfig, CapacityDefaults  # noqa: E402
 from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
 from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
 from pbkv.integrations.vllm.store import BlockStore  # noqa: E402
@@ -71,14 +71,15 @@ class PBKVConnector(KVConnectorBase_V1):
             self.store = BlockStore(extra.get("disk_dir"), rank=rank)
 
     def _make_shadow(self, extra: dict) -> Shadow:
-        model_dir = extra.get("model_dir")
-        policy = extra.get("policy") or ("pbkv" if model_dir else "lru")
+        predictor_dir = extra.get("predictor_dir")
+        policy = extra.get("policy") or ("pbkv" if predictor_dir else "lru")
         predictors = {}
-        if model_dir:
+        if predictor_dir:
             from pbkv.predict.predictor import load_predictor  # not bench's: it pins torch to 1 thread
-            predictors = {"fused": load_predictor(str(model_dir))}
-        device = int(extra.get("device_tokens") or max(self.num_blocks - 1, 1) * self.block_size)
-        caps = Capacities(device, int(extra.get("host_tokens", 4 * device)), int(extra.get("disk_tokens", 0)))
+            predictors = {"fused": load_predictor(str(predictor_dir))}
+        asked = CacheConfig(*(None if extra.get(k) is None else int(extra[k])
+                              for k in ("device_tokens", "host_tokens", "disk_tokens")))
+        caps = asked.resolve(CapacityDefaults(max(self.num_blocks - 1, 1) * self.block_size, host_ratio=4))
         shadow = Shadow(self.block_size, caps, policy, predictors)
         log.info("pbkv connector: policy %s, tiers %s", policy, caps)
         return shadow

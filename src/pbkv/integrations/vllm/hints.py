@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_AGENT = "user"
+from pbkv.trace import DEFAULT_AGENT
 
 
 @dataclass(frozen=True)

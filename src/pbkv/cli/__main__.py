@@ -1,0 +1,3 @@
+from pbkv.cli import app
+
+app()

@@ -1,0 +1,137 @@
+"""`pbkv bench` and `pbkv ablate`: policies side by side (pbkv.bench.main does the work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
+                             JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
+                             PredictorOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
+                             WorkflowsOpt, WorkloadOpt, check_exist, check_horizon, concurrency_list, console,
+                             exit_on_error, fail, split, strs)
+
+ENGINES = ("sim", "hf", "vllm")
+EngineOpt = Annotated[str, typer.Option(
+    help="Engine: 'sim' (the discrete-event simulator), 'hf' (a real transformers model, wall-clock time) or "
+         "'vllm' (a real vLLM alone (policy 'vllm') and with pbkv's connector per policy; docs/vllm.md).")]
+VLLMPythonOpt = Annotated[Optional[Path], typer.Option(
+    help="--engine vllm: python of the venv with vLLM (default: .venv-vllm/bin/python; see docs/vllm.md).")]
+
+
+def bench(
+    workload: WorkloadOpt = "hover,swe,finance,dialogue",
+    trace: TracesOpt = None,
+    policies: PoliciesOpt = "lru,kvflow,pbkv,oracle",
+    concurrency: ConcurrencyOpt = "16,32,64,96",
+    profile: ProfileOpt = "a6000-qwen3-32b",
+    device_tokens: DeviceTokensOpt = None,
+    host_tokens: HostTokensOpt = None,
+    disk_tokens: DiskTokensOpt = None,
+    workflows: WorkflowsOpt = 400,
+    seed: SeedOpt = 0,
+    train: TrainOpt = None,
+    predictor: PredictorOpt = None,
+    horizon: HorizonOpt = None,
+    online: OnlineOpt = False,
+    engine: EngineOpt = "sim",
+    model: ModelOpt = "tiny",
+    scale: ScaleOpt = 1.0,
+    output_scale: OutputScaleOpt = None,
+    load_rule: LoadRuleOpt = "auto",
+    threads: ThreadsOpt = 1,
+    vllm_python: VLLMPythonOpt = None,
+    jobs: JobsOpt = 2,
+    out: OutOpt = Path("results/bench"),
+    json_path: JsonOpt = None,
+):
+    """Compare cache policies side by side on workloads or traces; print a table, save JSON and plots."""
+    from pbkv.bench.main import BenchArgs
+    from pbkv.bench.predictors import PredictorSource
+    from pbkv.cache import CacheConfig
+
+    hf = vllm = None
+    if engine in ("hf", "vllm"):
+        hf = hf_config(model, scale, output_scale, load_rule, threads, seed)  # vllm: the same checks
+    if engine == "vllm":
+        vllm = vllm_config(vllm_python, model, scale, output_scale, seed)
+    if engine not in ENGINES:
+        fail(f"--engine: unknown engine {engine!r}; available: {', '.join(ENGINES)}")
+    check_horizon(horizon)
+    check_exist(*(trace or []), *(train or []), predictor)
+    run_bench(BenchArgs(
+        sources=sources(workload, trace, workflows, seed), policies=split(policies),
+        concurrency=concurrency_list(concurrency), profile=profile,
+        cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
+        horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
+        predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
+                                  horizon=horizon or 3)))
+
+
+def ablate(
+    workload: WorkloadOpt = "hover,swe,finance",
+    trace: TracesOpt = None,
+    concurrency: ConcurrencyOpt = "64,96,128",
+    profile: ProfileOpt = "a6000-qwen3-32b",
+    device_tokens: DeviceTokensOpt = None,
+    host_tokens: HostTokensOpt = None,
+    workflows: WorkflowsOpt = 400,
+    seed: SeedOpt = 0,
+    train: TrainOpt = None,
+    horizon: HorizonOpt = None,
+    jobs: JobsOpt = 2,
+    out: OutOpt = Path("results/ablate"),
+):
+    """The ablation table in one command: lru, kvflow, pbkv-retired, pbkv-noprefetch, pbkv-history,
+    pbkv-context, pbkv, oracle, side by side."""
+    from pbkv.bench.main import ABLATION, BenchArgs
+    from pbkv.bench.predictors import PredictorSource
+    from pbkv.cache import CacheConfig
+
+    check_horizon(horizon)
+    check_exist(*(trace or []), *(train or []))
+    run_bench(BenchArgs(
+        sources=sources(workload, trace, workflows, seed), policies=ABLATION,
+        concurrency=concurrency_list(concurrency), profile=profile,
+        cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon,
+        predictor=PredictorSource(train=strs(train), horizon=horizon or 3)))
+
+
+def sources(workload: str, trace: list[Path] | None, workflows: int, seed: int) -> list:
+    """The replayed traces, or else the generated workloads."""
+    from pbkv.bench.sweep import source_from_arg
+    if trace:
+        return [source_from_arg(str(t), workflows, seed) for t in trace]
+    return [source_from_arg(w, workflows, seed) for w in split(workload)]
+
+
+def run_bench(args) -> None:
+    from pbkv.bench.main import run
+    with exit_on_error():
+        run(args, console)
+
+
+def hf_config(model: str, scale: float, output_scale: float | None, load_rule: str, threads: int, seed: int):
+    """The real engine's settings from the command line, validated (clear error, exit 2)."""
+    from pbkv.bench.hf_run import HFConfig
+    from pbkv.engine.hf.engine import LOAD_RULES
+    if not scale >= 1:
+        fail(f"--scale: must be >= 1, got {scale}")
+    if output_scale is not None and not output_scale >= 1:
+        fail(f"--output-scale: must be >= 1, got {output_scale}")
+    if load_rule not in LOAD_RULES:
+        fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
+    return HFConfig(model=model, scale=scale, output_scale=output_scale, load_rule=load_rule, threads=threads,
+                    seed=seed)
+
+
+def vllm_config(python: Path | None, model: str, scale: float, output_scale: float | None, seed: int):
+    """--engine vllm: the vLLM venv's python (clear error, exit 2); its capacities come from the
+    sweep's CacheConfig (`VLLMConfig.with_cache`)."""
+    from pbkv.bench.vllm_run import VLLMConfig, find_python
+    with exit_on_error():
+        return VLLMConfig(python=find_python(str(python) if python else None), scale=scale,
+                          output_scale=output_scale, seed=seed,
+                          model=None if model in ("tiny", "smollm2") else model)

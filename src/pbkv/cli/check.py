@@ -1,0 +1,82 @@
+"""`pbkv calibrate` and `pbkv simcheck`: measure the real engine, and hold the simulator against it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pbkv.cli.bench import hf_config
+from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, LoadRuleOpt, ModelOpt,
+                             OutOpt, OutputOpt, OutputScaleOpt, PoliciesOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt,
+                             TrainOpt, WorkflowsOpt, WorkloadOpt, console, exit_on_error, one_concurrency, split, strs)
+
+
+def calibrate(
+    output: OutputOpt,
+    model: ModelOpt = "tiny",
+    max_len: Annotated[int, typer.Option(min=32, help="Longest prompt measured, in tokens.")] = 512,
+    repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement (the best counts).")] = 2,
+    threads: ThreadsOpt = 1,
+):
+    """Measure the real engine here (prefill vs prompt and cached prefix, decode step vs context, host copy
+    and disk read bandwidth) and write a simulator profile (for --profile FILE)."""
+    from pbkv.bench.hf_run import HFConfig
+    from pbkv.bench.simcheck import calibrate as run_calibrate
+
+    with exit_on_error():
+        prof = run_calibrate(HFConfig(model=model, threads=threads), output, max_len, repeats)
+    for line in prof["sources"][:-1]:
+        console.print(line)
+    console.print(f"profile: {output}")
+
+
+def simcheck(
+    model: ModelOpt = "tiny",
+    profile: ProfileOpt = None,
+    workload: WorkloadOpt = "hover",
+    workflows: WorkflowsOpt = 8,
+    concurrency: ConcurrencyOpt = "4",
+    policies: PoliciesOpt = "lru,kvflow,pbkv,oracle",
+    scale: ScaleOpt = 8.0,
+    output_scale: OutputScaleOpt = None,
+    device_tokens: DeviceTokensOpt = None,
+    host_tokens: HostTokensOpt = None,
+    disk_tokens: DiskTokensOpt = None,
+    load_rule: LoadRuleOpt = "auto",
+    train: TrainOpt = None,
+    seed: SeedOpt = 0,
+    threads: ThreadsOpt = 1,
+    out: OutOpt = Path("results/simcheck"),
+):
+    """Replay one small workload on the real engine and on the simulator (calibrated profile), per policy,
+    and print both side by side."""
+    from pbkv.bench.predictors import PredictorSource
+    from pbkv.bench.simcheck import calibrate as run_calibrate
+    from pbkv.bench.simcheck import simcheck as run_simcheck
+    from pbkv.bench.simcheck import table, verdict
+    from pbkv.bench.sweep import source_from_arg
+    from pbkv.cache import CacheConfig
+
+    hf = hf_config(model, scale, output_scale, load_rule, threads, seed)
+    lanes = one_concurrency(concurrency)
+    with exit_on_error():
+        if profile is None:
+            profile = str(out / "profile.json")
+            console.print(f"calibrating {model} -> {profile}")
+            run_calibrate(hf, Path(profile))
+        rows = run_simcheck(source_from_arg(workload, workflows, seed), split(policies), lanes, hf, profile,
+                            CacheConfig(device_tokens, host_tokens, disk_tokens), PredictorSource(train=strs(train)),
+                            out, progress=lambda r: console.print(f"  {r['policy']} done"))
+    first = rows[0]
+    console.print(table(rows, f"{workload} x{workflows}, concurrency {concurrency}, {model}, scale {scale:g}"
+                        + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
+                        f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
+                        f"disk {first['disk_tokens']:,}"))
+    out.mkdir(parents=True, exist_ok=True)
+    for line in verdict(rows):
+        console.print(line)
+    (out / "simcheck.json").write_text(json.dumps(rows, indent=1) + "\n")
+    console.print(f"results: {out / 'simcheck.json'}")

@@ -1,0 +1,150 @@
+"""What every command shares: the console, the option declarations, errors -> `error: ...`, exit 2.
+
+Each option that more than one command takes is declared once here, as an `Annotated` alias;
+a command gives only its default (`workflows: WorkflowsOpt = 400`). The help text therefore
+says where the default differs between commands.
+"""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+# Tables need ~110 columns; a narrower (or piped) output still gets them whole.
+console = Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
+
+MODEL_HELP = ("Language model: 'tiny' (random small Llama, byte tokenizer), 'smollm2' (needs pbkv\\[smollm2]) "
+              "or a local model directory. bench: used with --engine hf or vllm.")
+
+# ---- inputs
+WorkloadOpt = Annotated[str, typer.Option(
+    help="Built-in workload name or spec file (.yaml/.json); bench and ablate take several, comma-separated; "
+         "simcheck also a trace file.")]
+TracesOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--trace", help="Trace file (repeatable): bench and ablate replay these instead of generating; train trains "
+                    "on them; predict-eval evaluates on one.")]
+TrainOpt = Annotated[Optional[list[Path]], typer.Option(
+    "--train", help="Train the predictor(s) on these traces (repeatable). Policies that predict (pbkv*) need a "
+                    "predictor: trained on --train, loaded from --predictor, or (generated workloads) trained on "
+                    "the generator with seed + 1.")]
+WorkflowsOpt = Annotated[int, typer.Option(min=1, help="Workflows per generated workload.")]
+SeedOpt = Annotated[int, typer.Option(help="Random seed: generated workloads, training, splits, sampling.")]
+TraceFileArg = Annotated[Path, typer.Argument(help="Trace file.")]
+OutputOpt = Annotated[Path, typer.Option(
+    "-o", "--output", help="Where to write: a trace (gen, trace flatten), a predictor folder (train), a profile "
+                           "JSON (calibrate).")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")]
+OutOpt = Annotated[Path, typer.Option(help="Folder for the JSON results, plots, profile and trained predictors.")]
+
+# ---- what runs
+PoliciesOpt = Annotated[str, typer.Option(
+    help="Policies to compare, comma-separated (bench adds lru, the reference, and oracle, the bound).")]
+PolicyOpt = Annotated[str, typer.Option(
+    help="Cache policy: lru, kvflow, pbkv (or a variant: pbkv-retired, ...; or package.module:Class).")]
+ConcurrencyOpt = Annotated[str, typer.Option(
+    help="Concurrent workflows ('open': arrivals by trace t); bench and ablate sweep a comma-separated list.")]
+ProfileOpt = Annotated[Optional[str], typer.Option(
+    help="Simulator profile: a built-in name or a profile JSON file (simcheck default: calibrate now into "
+         "OUT/profile.json).")]
+JobsOpt = Annotated[int, typer.Option(min=1, help="Parallel worker processes.")]
+
+# ---- the cache (pbkv.cache.config.CacheConfig; unset: the engine's default)
+DeviceTokensOpt = Annotated[Optional[int], typer.Option(
+    min=1, help="Device KV capacity in tokens (default: sim the profile's; hf and simcheck 8 x the longest scaled "
+                "call; serve 16384; vllm 768).")]
+HostTokensOpt = Annotated[Optional[int], typer.Option(
+    min=0, help="Host KV capacity in tokens (default: sim and hf profile host_ratio x device; serve 2 x device; "
+                "vllm 512).")]
+DiskTokensOpt = Annotated[Optional[int], typer.Option(
+    min=0, help="Disk KV capacity in tokens (default: sim the profile's; hf 8 x device; serve 4 x device; "
+                "vllm 16384).")]
+
+# ---- models
+ModelOpt = Annotated[str, typer.Option(help=MODEL_HELP)]
+PredictorOpt = Annotated[Optional[Path], typer.Option(
+    help="A predictor directory saved by `pbkv train` (serve: loaded at start if present, saved on shutdown).")]
+HorizonOpt = Annotated[Optional[int], typer.Option(
+    help="Prediction horizon K, steps ahead (default: the predictor's; 3 when training).")]
+EpochsOpt = Annotated[Optional[int], typer.Option(min=1, help="Training epochs (default: about 2,500 steps).")]
+OnlineOpt = Annotated[bool, typer.Option(
+    help="Retrain the predictor from finished workflows during the run (bench) or while serving.")]
+
+# ---- the real engine
+ScaleOpt = Annotated[float, typer.Option(
+    help="Real engines: divide every prompt and output length by this (prefix sharing kept).")]
+OutputScaleOpt = Annotated[Optional[float], typer.Option(
+    help="Real engines: divide output lengths by this instead (default: --scale).")]
+LoadRuleOpt = Annotated[str, typer.Option(
+    help="Real engine, host/disk prefixes: auto (load if estimated faster than recompute), load, recompute.")]
+ThreadsOpt = Annotated[int, typer.Option(
+    min=1, help="torch CPU threads of the real engine (1 is fastest for small models on a shared CPU).")]
+
+
+def split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def fail(message: str) -> NoReturn:
+    """Print `error: message` (taken literally, not as rich markup) and exit 2."""
+    console.print(f"[red]error:[/red] {escape(message)}")
+    raise typer.Exit(2)
+
+
+@contextmanager
+def exit_on_error():
+    """The one place where known errors become `error: ...` and exit 2: bad values, unreadable
+    files, traces, policies and predictors (ValueError, OSError), a model that cannot load, a
+    stuck engine, a failed vLLM worker. Anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort):
+        raise
+    except (ValueError, OSError) as e:  # TraceError, UnknownPolicy, PredictorLoadError are ValueErrors
+        fail(str(e))
+    except RuntimeError as e:
+        from pbkv.bench.vllm_run import VLLMRunError
+        from pbkv.engine.hf import EngineError, ModelLoadError  # imported here: it loads torch
+        if isinstance(e, (ModelLoadError, EngineError, VLLMRunError)):
+            fail(str(e))
+        raise
+
+
+def concurrency_list(value: str) -> list[int | None]:
+    """'16,32,open' -> [16, 32, None]."""
+    out: list[int | None] = []
+    for v in split(value):
+        if v == "open":
+            out.append(None)
+        elif v.isdigit() and int(v) > 0:
+            out.append(int(v))
+        else:
+            fail(f"--concurrency: expected positive integers or 'open', got {v!r}")
+    return out
+
+
+def one_concurrency(value: str) -> int | None:
+    values = concurrency_list(value)
+    if len(values) != 1:
+        fail(f"--concurrency: expected one value, got {value!r}")
+    return values[0]
+
+
+def check_horizon(horizon: int | None) -> None:
+    if horizon is not None and horizon < 1:
+        fail(f"--horizon: must be >= 1, got {horizon}")
+
+
+def check_exist(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None and not path.exists():
+            fail(f"{path}: no such file or directory")
+
+
+def strs(paths: list[Path] | None) -> tuple[str, ...]:
+    return tuple(str(p) for p in paths or [])

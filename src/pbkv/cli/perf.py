@@ -1,0 +1,64 @@
+"""`pbkv perf sim|policy|evict`: speed figures of the simulator, the policies and the cache."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, HostTokensOpt, PolicyOpt, PredictorOpt, WorkflowsOpt,
+                             WorkloadOpt, console, exit_on_error, one_concurrency)
+
+perf_app = typer.Typer(no_args_is_help=True, help="Speed figures of the simulator, the policies and the cache.")
+
+
+@perf_app.command("sim")
+def perf_sim(
+    workload: WorkloadOpt = "hover",
+    workflows: WorkflowsOpt = 2000,
+    concurrency: ConcurrencyOpt = "64",
+    policy: PolicyOpt = "lru",
+    predictor: PredictorOpt = None,
+):
+    """Calls simulated per minute (target >= 100,000)."""
+    from pbkv.bench.perf import sim_speed
+    lanes = one_concurrency(concurrency)
+    with exit_on_error():
+        r = sim_speed(workload, workflows, lanes, policy, str(predictor) if predictor else None)
+    console.print(f"{r['calls']} calls in {r['seconds']:.2f} s: {r['calls_per_minute']:,.0f} calls simulated per minute "
+                  f"({workload}, {policy}, concurrency {concurrency}; generation not counted)")
+
+
+@perf_app.command("policy")
+def perf_policy(
+    workload: WorkloadOpt = "hover",
+    policy: PolicyOpt = "pbkv",
+    predictor: PredictorOpt = None,
+    workflows: WorkflowsOpt = 600,
+    concurrency: ConcurrencyOpt = "160",
+    device_tokens: DeviceTokensOpt = None,
+    host_tokens: HostTokensOpt = 0,
+):
+    """Wall time of policy decisions vs simulated run time (target <= 5%); predictions made live."""
+    from pbkv.bench.perf import policy_overhead
+    from pbkv.cache import CacheConfig
+    lanes = one_concurrency(concurrency)
+    with exit_on_error():
+        r = policy_overhead(workload, policy, str(predictor) if predictor else None, workflows, lanes,
+                            CacheConfig(device_tokens, host_tokens))
+    console.print(f"{policy} on {workload} (concurrency {concurrency}): {r['policy_seconds']:.2f} s of policy decisions "
+                  f"for {r['calls']} calls ({r['us_per_call']:.0f} us per call) in a simulated run of "
+                  f"{r['makespan_s']:,.0f} s: {r['overhead'] * 100:.3f}% added")
+
+
+@perf_app.command("evict")
+def perf_evict(
+    nodes: Annotated[int, typer.Option(min=100, help="Nodes in the tree.")] = 100_000,
+    policy: PolicyOpt = "lru",
+):
+    """Eviction cost per evicted node in a tree of NODES nodes (target <= 50 us)."""
+    from pbkv.bench.perf import evict_speed
+    with exit_on_error():
+        r = evict_speed(nodes, policy)
+    console.print(f"{r['evicted']} nodes evicted from a {r['nodes']:,}-node tree in {r['seconds'] * 1e3:.1f} ms: "
+                  f"{r['us_per_node']:.1f} us per evicted node ({policy})")

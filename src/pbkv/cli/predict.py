@@ -1,0 +1,139 @@
+"""`pbkv train` and `pbkv predict-eval`: the workflow predictor, trained and scored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, OutputOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
+                             check_horizon, console, exit_on_error, fail)
+
+# (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
+VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"), ("context", "context-only", "context_"))
+
+
+def train(
+    trace: TracesOpt,
+    output: OutputOpt,
+    horizon: HorizonOpt = 3,
+    variant: Annotated[str, typer.Option(help="fused | history | context.")] = "fused",
+    epochs: EpochsOpt = None,
+    seed: SeedOpt = 0,
+):
+    """Train a workflow predictor (next K agents + survival) on traces and save it as a directory."""
+    from pbkv.predict import save_predictor, train_predictor
+    from pbkv.predict.model import VARIANTS
+    from pbkv.trace import read_trace
+
+    check_horizon(horizon)
+    if variant not in VARIANTS:
+        fail(f"--variant: unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
+    with exit_on_error():
+        traces = [read_trace(t) for t in trace]
+        with _train_bar() as bar:
+            task = bar.add_task(f"training {variant}", total=None)
+            p = train_predictor(traces, variant=variant, horizon=horizon, epochs=epochs, seed=seed,
+                                progress=lambda done, total: bar.update(task, completed=done, total=total))
+        save_predictor(p, output)
+    info = p.info
+    top1 = info.get("train_top1_k1")
+    console.print(f"{info['parameters']:,} parameters, {len(p.agents)} agents, {info['samples']} samples, "
+                  f"{info['epochs']} epochs, trained in {info['train_seconds']:.1f} s; train-set top-1 (k=1) "
+                  f"{'n/a' if top1 is None else f'{top1:.3f}'}")
+    console.print(f"saved: {output}")
+
+
+def predict_eval(
+    predictor: PredictorOpt = None,
+    trace: TracesOpt = None,
+    train: TrainOpt = None,
+    test: Annotated[Optional[Path], typer.Option(help="With --train: evaluate on this trace.")] = None,
+    split: Annotated[bool, typer.Option(help="Split --trace by task (50/50): train on one half, test on the other.")] = False,
+    horizon: HorizonOpt = 3,
+    epochs: EpochsOpt = None,
+    seed: SeedOpt = 0,
+    json_path: JsonOpt = None,
+):
+    """Top-1 accuracy at k=1..K, end-of-workflow accuracy, ECE and speed of predictors, next to Markov.
+
+    --predictor DIR --trace FILE: a saved predictor (and its stored Markov baseline);
+    --train FILE... --test FILE or --trace FILE --split: fused, history-only, context-only and Markov,
+    trained here."""
+    check_horizon(horizon)
+    if trace is not None and len(trace) > 1:
+        fail("--trace: predict-eval evaluates on one trace")
+    one = trace[0] if trace else None
+    with exit_on_error():
+        if predictor is not None:
+            if one is None or train is not None or test is not None:
+                fail("with --predictor give --trace FILE (and optionally --split to score its test half)")
+            rows = _saved_rows(predictor, one, split, seed)
+        else:
+            rows = _trained_rows(one, train, test, split, horizon, epochs, seed)
+    _print_predict_table(rows)
+    if json_path:
+        out = {prefix + k: v for _, prefix, m in rows for k, v in m.items()}
+        json_path.write_text(json.dumps(out, indent=1, default=float) + "\n")
+        console.print(f"results: {json_path}")
+
+
+def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> list[tuple[str, str, dict]]:
+    """(label, JSON key prefix, metrics) of a saved predictor and its Markov baseline."""
+    from pbkv.predict import evaluate, load_predictor, split_by_task
+    from pbkv.trace import read_trace
+    p = load_predictor(predictor)
+    data = read_trace(trace)
+    if split:
+        data = split_by_task(data, 0.5, seed)[1]
+    rows = [(p.name, "", evaluate(p, data))]
+    if p.markov is not None:
+        rows.append(("markov", "markov_", evaluate(p.markov, data)))
+    return rows
+
+
+def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tuple[str, str, dict]]:
+    """Train the three variants and Markov here; their metrics on the test data."""
+    from pbkv.predict import evaluate, fit_markov, split_by_task, train_predictor
+    from pbkv.trace import read_trace
+    if train is not None and test is not None and trace is None:
+        fit, data = [read_trace(t) for t in train], read_trace(test)
+    elif trace is not None and split and train is None and test is None:
+        fit, data = split_by_task(read_trace(trace), 0.5, seed)
+    else:
+        fail("give --predictor DIR --trace FILE, or --train FILE --test FILE, or --trace FILE --split")
+    rows = []
+    with _train_bar() as bar:
+        for variant, label, prefix in VARIANT_ROWS:
+            task = bar.add_task(f"training {variant}", total=None)
+            p = train_predictor(fit, variant=variant, horizon=horizon, epochs=epochs, seed=seed,
+                                progress=lambda d, t, task=task: bar.update(task, completed=d, total=t))
+            m = evaluate(p, data)
+            m["train_seconds"], m["parameters"] = p.info["train_seconds"], p.info["parameters"]
+            rows.append((label, prefix, m))
+    rows.append(("markov", "markov_", evaluate(fit_markov(fit, horizon), data)))
+    return rows
+
+
+def _train_bar() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+def _print_predict_table(rows) -> None:
+    from rich.table import Table
+
+    k = max(int(key[6:]) for _, _, m in rows for key in m if key.startswith("top1_k"))
+    table = Table(title=f"next-agent prediction ({rows[0][2]['calls']} positions)")
+    for col in ["predictor"] + [f"top1@k{i}" for i in range(1, k + 1)] + ["end acc", "ECE", "us/call"]:
+        table.add_column(col, justify="left" if col == "predictor" else "right")
+
+    def f(v, fmt="{:.3f}"):
+        return "-" if v is None else fmt.format(v)
+    for label, _, m in rows:
+        table.add_row(label, *[f(m.get(f"top1_k{i}")) for i in range(1, k + 1)], f(m["end_acc"]), f(m["ece"]),
+                      f(m["us_per_call"], "{:.0f}"))
+    console.print(table)

@@ -1,0 +1,61 @@
+"""`pbkv serve`: the OpenAI-compatible server (pbkv.serve does the work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, ModelOpt, OnlineOpt, PolicyOpt,
+                             PredictorOpt, ThreadsOpt, console, exit_on_error, fail)
+
+
+def serve(
+    model: ModelOpt = "tiny",
+    policy: PolicyOpt = "pbkv",
+    host: Annotated[str, typer.Option(help="Address to bind (loopback by default; set --api-key before exposing it).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.", min=0, max=65535)] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' (env PBKV_API_KEY).",
+                                           envvar="PBKV_API_KEY")] = None,
+    served_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
+    record: Annotated[Optional[Path], typer.Option(help="Write served calls as traces (docs/trace-format.md) into this folder.")] = None,
+    record_rotate: Annotated[int, typer.Option(help="Calls per trace file before the next one starts.", min=1)] = 10_000,
+    record_context: Annotated[bool, typer.Option(help="Also record each call's latest message (as `context`).")] = False,
+    predictor: PredictorOpt = None,
+    online: OnlineOpt = True,
+    learn_every: Annotated[int, typer.Option(help="Retrain after this many ended workflows.", min=1)] = 50,
+    learn_steps: Annotated[int, typer.Option(help="Optimiser steps per retrain.", min=1)] = 300,
+    learn_nice: Annotated[int, typer.Option(help="Niceness of the retrain process (0: an equal CPU share; it slows serving "
+                                    "while it runs).", min=0, max=19)] = 10,
+    idle_timeout: Annotated[float, typer.Option(help="Seconds without calls after which a workflow ends.", min=0.001)] = 300.0,
+    device_tokens: DeviceTokensOpt = None,
+    host_tokens: HostTokensOpt = None,
+    disk_tokens: DiskTokensOpt = None,
+    disk_dir: Annotated[Optional[Path], typer.Option(help="Folder for disk-tier KV files (default: a temporary folder).")] = None,
+    max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.", min=1)] = 1024,
+    default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.", min=1)] = 256,
+    max_body_bytes: Annotated[int, typer.Option(help="Largest request body.", min=1)] = 1 << 20,
+    max_queue: Annotated[int, typer.Option(help="Requests in flight before new ones get 429.", min=1)] = 1024,
+    threads: ThreadsOpt = 1,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+):
+    """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
+    engine, with workflow hints (workflow_id, agent, workflow_done; X-Workflow-Id, X-Agent)."""
+    try:
+        from pbkv.serve import ServeConfig, run
+    except ImportError as e:
+        fail(f"pbkv serve needs the serve extra ({e.name} is missing): pip install 'pbkv[serve]'")
+    from pbkv.cache import CacheConfig
+    if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
+    cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None)
+    cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
+                      cache=cache, record=str(record) if record else None, record_rotate=record_rotate,
+                      record_context=record_context, predictor_dir=str(predictor) if predictor else None,
+                      online=online, learn_every=learn_every, learn_steps=learn_steps, learn_nice=learn_nice,
+                      idle_timeout=idle_timeout, max_tokens_limit=max_tokens_limit,
+                      default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
+                      threads=threads)
+    with exit_on_error():
+        run(cfg, log_level=log_level)

@@ -1,0 +1,121 @@
+"""`pbkv gen` and `pbkv trace stats|split|flatten`: make and inspect workflow traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, console, exit_on_error,
+                             fail)
+
+trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
+
+
+def gen(
+    output: OutputOpt,
+    workload: Annotated[Optional[str], typer.Argument(help="Built-in workload name (or use --spec).")] = None,
+    spec: Annotated[Optional[Path], typer.Option(help="A workflow spec file (YAML or JSON).")] = None,
+    workflows: WorkflowsOpt = 100,
+    seed: SeedOpt = 0,
+):
+    """Generate a workflow trace (docs/trace-format.md) from a built-in workload or a spec file."""
+    from pbkv.trace import write_trace
+    from pbkv.workloads import builtin_names, generate, load_spec
+
+    if (workload is None) == (spec is None):
+        fail(f"give a built-in workload ({', '.join(builtin_names())}) or --spec FILE, not both")
+    with exit_on_error():
+        s = load_spec(str(spec) if spec else workload)
+    trace = generate(s, workflows, seed)
+    write_trace(trace, output)
+    console.print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}")
+
+
+@trace_app.command("stats")
+def trace_stats_cmd(
+    file: TraceFileArg,
+    heldout: Annotated[Optional[Path], typer.Option(
+        help="Score a Markov next-agent predictor fit on FILE on this trace.")] = None,
+    json_path: JsonOpt = None,
+):
+    """Sizes, lengths, prefix reuse, next-agent entropy, Markov top-1 of a trace."""
+    from pbkv.trace import read_trace
+    from pbkv.trace.stats import format_stats, trace_stats
+
+    with exit_on_error():
+        stats = trace_stats(read_trace(file), read_trace(heldout) if heldout else None)
+    print(format_stats(stats))
+    if json_path:
+        json_path.write_text(json.dumps(stats, indent=1) + "\n")
+
+
+@trace_app.command("split")
+def trace_split_cmd(
+    file: TraceFileArg,
+    train_out: Annotated[Path, typer.Option("--train-out", help="Where the first part goes.")],
+    test_out: Annotated[Path, typer.Option("--test-out", help="Where the held-out part goes.")],
+    test_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of task groups held out.")] = 0.5,
+    seed: SeedOpt = 0,
+):
+    """Split a trace by task (no task in both parts), e.g. to train on one half and replay the other."""
+    from pbkv.trace import read_trace, write_trace
+    from pbkv.trace.transform import split_by_task
+
+    with exit_on_error():
+        train, test = split_by_task(read_trace(file), test_fraction, seed)
+    write_trace(train, train_out)
+    write_trace(test, test_out)
+    console.print(f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
+
+
+@trace_app.command("flatten")
+def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
+    """Make every call its own workflow: the same prompts with no workflow structure."""
+    from pbkv.trace import read_trace, write_trace
+    from pbkv.trace.transform import flatten
+
+    with exit_on_error():
+        trace = flatten(read_trace(file))
+    write_trace(trace, output)
+    console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
+
+
+@trace_app.command("import")
+def trace_import_cmd(
+    source: Annotated[Path, typer.Argument(help="Trace in a foreign format (.jsonl or .jsonl.gz).")],
+    fmt: Annotated[str, typer.Option("--from", help="mooncake, bailian or agentic-mooncake.")],
+    output: OutputOpt,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Read only the first N rows.")] = None,
+    block_size: Annotated[Optional[int], typer.Option(
+        min=1, help="Tokens per block id in the output (default: the source's).")] = None,
+    source_block_size: Annotated[Optional[int], typer.Option(
+        min=1, help="Tokens per id in FILE (default: mooncake 512, bailian 16; required for agentic-mooncake).")] = None,
+):
+    """Convert a Mooncake, Qwen-Bailian or Dynamo agentic-mooncake trace to pbkv's format."""
+    from pbkv.trace.formats import import_file
+
+    with exit_on_error():
+        trace, report = import_file(fmt, source, output, limit=limit, block_size=block_size,
+                                    source_block_size=source_block_size)
+    console.print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+@trace_app.command("export")
+def trace_export_cmd(
+    file: TraceFileArg,
+    fmt: Annotated[str, typer.Option("--to", help="agentic-mooncake.")],
+    output: OutputOpt,
+):
+    """Write a pbkv trace in a format other replay tools read (Dynamo's agentic-mooncake)."""
+    from pbkv.trace.formats import export_file
+
+    with exit_on_error():
+        report = export_file(fmt, file, output)
+    console.print(report.summary(output))
+    for note in report.notes:
+        console.print(f"note: {note}")

@@ -1,0 +1,97 @@
+"""Foreign trace formats: import them into TRACE_FORMAT v1, export pbkv traces to them.
+
+Each format is one module (`mooncake`, `bailian`, `agentic`) behind the `FORMATS` registry; a
+module reads checked rows into `Call`s carrying the source's raw block ids, and this package
+re-chains those ids at the wanted block size (`blocks.Rechainer`), builds the `Trace` and checks
+it with the native rules (`validate`). A bad row fails with `TraceError` naming FILE:LINE, field
+and value, as the native reader does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Callable
+
+from pbkv.trace.call import Call, Trace, TraceMeta
+from pbkv.trace.formats import agentic, bailian, mooncake
+from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, read_rows
+from pbkv.trace.formats.blocks import Rechainer
+from pbkv.trace.io import TraceError, _open, read_trace, validate, write_trace
+
+__all__ = ["FORMATS", "Edge", "ExportReport", "Format", "ImportReport", "Rechainer", "export_file",
+           "import_file", "import_trace"]
+
+
+@dataclass(frozen=True, slots=True)
+class Format:
+    """A foreign format: its default block size (None: the files do not record it) and its
+    reader and/or writer."""
+
+    name: str
+    block_size: int | None
+    read: Callable[[list[Row], int, ImportReport], list[Call]] | None = None
+    write: Callable[[Trace, IO[str]], ExportReport] | None = None
+
+
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("mooncake", mooncake.BLOCK_SIZE, read=mooncake.read),
+    Format("bailian", bailian.BLOCK_SIZE, read=bailian.read),
+    Format("agentic-mooncake", agentic.BLOCK_SIZE, read=agentic.read, write=agentic.write),
+)}
+
+
+def _format(name: str, role: str) -> Format:
+    """The format called `name` that can `role` ('read' or 'write')."""
+    fmt = FORMATS.get(name)
+    if fmt is None or getattr(fmt, role) is None:
+        known = ", ".join(n for n, f in FORMATS.items() if getattr(f, role) is not None)
+        raise TraceError(f"cannot {role} format {name!r} (formats that can: {known})")
+    return fmt
+
+
+def import_trace(name: str, path: str | Path, *, limit: int | None = None, block_size: int | None = None,
+                 source_block_size: int | None = None) -> tuple[Trace, ImportReport]:
+    """Read a foreign trace into a validated `Trace` at `block_size` tokens per id (default: the
+    source's). `limit` keeps the first N rows; `source_block_size` overrides the format's default."""
+    fmt = _format(name, "read")
+    source = source_block_size or fmt.block_size
+    if source is None:
+        raise TraceError(f"{path}: {name} files do not record their block size: give the source block size "
+                         f"(--source-block-size: the value the tool that wrote the file printed)")
+    target = block_size or source
+    if limit is not None and limit < 1:
+        raise TraceError(f"limit must be >= 1, got {limit}")
+    report = ImportReport(name, str(path), source_block_size=source, block_size=target,
+                          limited=limit is not None)
+    rows = read_rows(path, limit)
+    report.rows = len(rows)
+    calls = fmt.read(rows, source, report)
+    chain = Rechainer(source, target)
+    for call in calls:
+        call.hash_ids = chain.convert(call.hash_ids, call.input_length)
+    meta = TraceMeta(block_size=target, source=f"pbkv trace import --from {name} {Path(path).name}",
+                     notes=f"{len(rows)} {name} rows; source block size {source}, re-chained at {target}")
+    if report.dropped_edges:  # the trace itself says what structure it lost
+        meta.extra["dropped_edges"] = report.edge_counts()
+        report.notes.append(report.edge_note())
+    trace = Trace(meta, calls, path=str(path))
+    validate(trace, str(path))
+    return trace, report
+
+
+def import_file(name: str, src: str | Path, dst: str | Path, **options) -> tuple[Trace, ImportReport]:
+    """`import_trace` then write the result (gzip when `dst` ends in `.gz`)."""
+    trace, report = import_trace(name, src, **options)
+    write_trace(trace, dst)
+    return trace, report
+
+
+def export_file(name: str, src: str | Path, dst: str | Path) -> ExportReport:
+    """Read a pbkv trace and write it in format `name` (gzip when `dst` ends in `.gz`)."""
+    fmt = _format(name, "write")
+    trace = read_trace(src)
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with _open(dst, "w") as f:
+        return fmt.write(trace, f)

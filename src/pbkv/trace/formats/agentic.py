@@ -1,0 +1,145 @@
+"""NVIDIA Dynamo's "Agentic Mooncake" replay rows (ai-dynamo/dynamo: docs/agents/agent-replay.md,
+docs/dynosim/trace-formats.md), read and written.
+
+What those pages document, in our words: each row is one LLM request with a unique `request_id`,
+the `session_id` of its trajectory, Mooncake's `timestamp` (milliseconds), `input_length`,
+`output_length` and `hash_ids`. `wait_for` lists request ids that must finish before the row may
+start; a row without it starts at its `timestamp`. After its dependencies finish a row waits
+`delay` (non-tool overhead, ms) plus `tool_wait_ms` (tool time, ms; overlapping tools counted
+once). `branches` lists child requests spawned from the row and `prefix_reset` marks a session's
+first row: both are metadata the replay does not schedule by. The files do not record their block
+size (Dynamo's converter prints it), so the importer needs `--source-block-size`.
+
+pbkv's model is a sequence of steps per workflow, so a session becomes a workflow (steps in file
+order) and `tool_wait` = (`delay` + `tool_wait_ms`) / 1000 s before each step after the first.
+Every edge other than "previous row of the same session -> next row" is reported with its kind:
+`spawn` (into another session's first row), `join` (into a later row of another session), `skip`
+(same session, not consecutive) or `dangling` (a row cut by `--limit`). The agent is the row's
+`agent` field when present (pbkv's export writes it), else `subagent` for a session spawned by
+another one and `main` otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import IO
+
+from pbkv.trace.call import Call, Trace
+from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, lengths_and_ids, number, str_list
+
+BLOCK_SIZE = None  # not recorded in the files
+
+
+def _parse(row: Row, block_size: int) -> dict:
+    chk = row.chk
+    out = {"request_id": chk.str_field("request_id"),
+           "session_id": chk.str_field("session_id", required=False),
+           "timestamp": number(chk, "timestamp"), "delay": number(chk, "delay"),
+           "tool_wait_ms": number(chk, "tool_wait_ms"),
+           "wait_for": str_list(chk, "wait_for"), "branches": str_list(chk, "branches"),
+           "agent": chk.str_field("agent", required=False), "workload": chk.str_field("workload", required=False)}
+    if "prefix_reset" in chk.obj and not isinstance(chk.obj["prefix_reset"], bool):
+        chk.fail("prefix_reset", "expected true or false")
+    if not out["wait_for"] and out["timestamp"] is None:
+        chk.fail("timestamp", "required on a row without wait_for (it is the row's start time)")
+    out["lengths"] = lengths_and_ids(chk, block_size)
+    return out
+
+
+def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
+    """One workflow per session, steps in file order; DAG edges beyond the sequence are reported."""
+    parsed, where, place = [], {}, {}  # where: request_id -> row; place: request_id -> (session, step)
+    steps: dict[str, int] = {}
+    for row in rows:
+        p = _parse(row, block_size)
+        rid = p["request_id"]
+        if rid in where:
+            row.chk.fail("request_id", f"duplicate request_id (first at line {where[rid].line})")
+        session = p["session_id"] or rid  # a row without a session is its own trajectory
+        place[rid] = (session, steps.get(session, 0))
+        steps[session] = place[rid][1] + 1
+        where[rid] = row
+        parsed.append(p)
+    spawned = _edges(parsed, where, place, report)
+    calls = []
+    for p in parsed:
+        session, step = place[p["request_id"]]
+        input_length, output_length, ids = p["lengths"]
+        waits = [p[k] for k in ("delay", "tool_wait_ms") if p[k] is not None]
+        calls.append(Call(
+            workflow_id=session, step=step, agent=p["agent"] or ("subagent" if session in spawned else "main"),
+            workload=p["workload"] or "agentic-mooncake", input_length=input_length,
+            output_length=output_length, hash_ids=ids,
+            t=None if p["timestamp"] is None else p["timestamp"] / 1000.0,
+            tool_wait=sum(waits) / 1000.0 if step and waits else None, done=step == steps[session] - 1,
+            extra={"delay_ms": p["delay"]} if step and p["delay"] else {}))
+    return calls
+
+
+def _edges(parsed: list[dict], where: dict, place: dict, report: ImportReport) -> set[str]:
+    """Classify every wait_for / branches edge; return the sessions whose first row was spawned."""
+    pairs = [(d, p["request_id"], "wait_for", p) for p in parsed for d in p["wait_for"]]
+    pairs += [(p["request_id"], b, "branches", p) for p in parsed for b in p["branches"]]
+    spawned, seen = set(), set()
+    for src, dst, name, p in pairs:  # wait_for first: its row carries the edge's delay
+        if (src, dst) in seen:
+            continue
+        seen.add((src, dst))
+        other = dst if name == "branches" else src
+        if other not in place:
+            if not report.limited:
+                where[p["request_id"]].chk.fail(name, f"names request {other!r}, which is not in the file")
+            report.dropped_edges.append(Edge(src, dst, "dangling"))
+            continue
+        (s1, k1), (s2, k2) = place[src], place[dst]
+        if s1 == s2 and k2 == k1 + 1:
+            continue
+        kind = "skip" if s1 == s2 else ("spawn" if k2 == 0 else "join")
+        if kind == "spawn":
+            spawned.add(s2)
+        wait = sum(v for v in (p["delay"], p["tool_wait_ms"]) if v is not None) if name == "wait_for" else 0.0
+        report.dropped_edges.append(Edge(src, dst, kind, wait))
+    unordered = 0
+    for p in parsed:
+        session, step = place[p["request_id"]]
+        unordered += bool(step) and (session, step - 1) not in {place.get(d) for d in p["wait_for"]}
+    if unordered:
+        report.notes.append(f"{unordered} rows do not wait for the previous row of their session; "
+                            f"pbkv runs them after it (its workflows are sequences)")
+    return spawned
+
+
+def _step_order(trace: Trace) -> list[Call]:
+    """File order, except each workflow's calls are put in step order into the slots it occupies."""
+    by_wf = {wf: iter(calls) for wf, calls in trace.workflows().items()}
+    return [next(by_wf[c.workflow_id]) for c in trace.calls]
+
+
+def write(trace: Trace, f: IO[str]) -> ExportReport:
+    """One row per call; a step waits for the previous step of its workflow, then for its tool_wait."""
+    report = ExportReport("agentic-mooncake", block_size=trace.block_size)
+    untimed = 0
+    for call in _step_order(trace):
+        row: dict = {"request_id": f"{call.workflow_id}:{call.step}", "session_id": call.workflow_id}
+        if call.t is not None:
+            row["timestamp"] = round(call.t * 1000.0, 3)
+        elif call.step == 0:
+            row["timestamp"] = 0.0  # a row without dependencies needs a start time
+            untimed += 1
+        row.update(input_length=call.input_length, output_length=call.output_length, hash_ids=call.hash_ids,
+                   wait_for=[])
+        if call.step:
+            delay = float(call.extra.get("delay_ms", 0.0))
+            tool = max(0.0, round((call.tool_wait or 0.0) * 1000.0 - delay, 3))
+            row.update(wait_for=[f"{call.workflow_id}:{call.step - 1}"], delay=delay)
+            if tool > 0:
+                row["tool_wait_ms"] = tool
+        row.update(branches=[], prefix_reset=call.step == 0, agent=call.agent)
+        if call.workload is not None:
+            row["workload"] = call.workload
+        f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        report.rows += 1
+    report.workflows = len({c.workflow_id for c in trace.calls})
+    if untimed:
+        report.notes.append(f"{untimed} workflows have no arrival time `t`: their first rows start at timestamp 0")
+    return report
