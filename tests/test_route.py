@@ -156,3 +156,11 @@ def test_pbkv_plans_no_transfer_when_replicas_cannot_fetch():
     d = make_router("pbkv", cfg).choose(req(), views)
     # a: recompute 80 (0.08) + strand 64 (0.064); b: queue 1.0 + recompute 16
     assert (d.replica, d.fetch_from) == ("a", None)
+
+
+def test_pbkv_weighs_waiting_requests_not_running_ones_when_the_view_tells_them_apart():
+    busy_home = view("b", 6, blocks=(1, 2, 3, 4), workflows={"w": 64})
+    busy_home.queued = 0                      # six running, none waiting: joining the batch is cheap
+    assert make_router("pbkv", CFG).choose(req(), [view("a", 0), busy_home]).replica == "b"
+    busy_home.queued = 6
+    assert make_router("pbkv", CFG).choose(req(), [view("a", 0), busy_home]).replica == "a"

@@ -2,20 +2,25 @@
 
 For every replica r the router estimates, in seconds (costs from `RouterConfig`):
 
-    queue(r)   = queue_s_per_request * load(r)
+    queue(r)   = queue_s_per_request * queued(r), where queued is the view's `queued` (requests
+                 waiting for admission) when it has one, else its `load`: in continuous
+                 batching a running request hardly delays a new one, a waiting one does
     prefill(r) = recompute of the prompt tokens r cannot reuse; if another replica s caches a
                  longer prefix, the extra `gain` tokens are fetched from s instead, but only when
                  transfer_s(gain) < recompute_s(gain) (moving KV must beat recomputing it)
-    strand(r)  = p * min(transfer_s(t), recompute_s(t)) where t = the workflow's private KV on
-                 its home replica (the one holding most of it) that this call leaves behind when
-                 r is not that home; p = the predicted probability the workflow reads its KV
-                 again (`reuse_probability`, 1 when unknown). Splitting a workflow means one
-                 side is later moved or recomputed; the cheaper side is charged, as likely as p.
+    strand(r)  = p * recompute_s(t) where t = the workflow's KV on its home replica (the one
+                 holding most of it) that this call leaves behind when r is not that home, and
+                 p = the predicted probability the workflow reads its KV again
+                 (`reuse_probability`, 1 when unknown). Stranded KV is charged as recomputed:
+                 later calls find it only if a router fetches it back, and meanwhile it takes
+                 space on both replicas (measured in the simulator: charging only a transfer
+                 made the router move workflows so often that it lost to `sticky`)
 
-and picks the smallest queue + prefill + strand (ties: fewer workflows held, then earliest). A workflow whose KV is
-unlikely to be reused (p near 0) is placed by load and prefix alone; one likely to continue stays
-home unless queueing there costs more than moving. `warm` names the predicted next agent's
-prompt blocks the chosen replica lacks, so the engine can load them before that call comes.
+and picks the smallest queue + prefill + strand (ties: fewer workflows held, then earliest).
+A workflow whose KV is unlikely to be reused (p near 0) is placed by load and prefix alone; one
+likely to continue stays home unless waiting there costs more than what it leaves behind.
+`warm` names the predicted next agent's prompt blocks the chosen replica lacks, so the engine
+can load them before that call comes.
 """
 
 from __future__ import annotations
@@ -59,12 +64,12 @@ class PBKVRouter(Router):
                 source, gain = v.id, extra
         if source is not None and cfg.transfer_s(gain) >= cfg.recompute_s(gain):
             source, gain = None, 0
-        seconds = cfg.queue_s_per_request * view.load + cfg.transfer_s(gain) \
+        seconds = cfg.queue_s_per_request * getattr(view, "queued", view.load) + cfg.transfer_s(gain) \
             + cfg.recompute_s(request.input_tokens - have - gain)
         if home is not None and view.id != home:
             left = max(0, home_tokens - (gain if source == home else 0))
             p = 1.0 if request.reuse_probability is None else request.reuse_probability
-            seconds += p * min(cfg.transfer_s(left), cfg.recompute_s(left))
+            seconds += p * cfg.recompute_s(left)
         return Estimate(seconds, source, gain, have + gain)
 
     @staticmethod

@@ -14,7 +14,8 @@ KV movement: when the router says `fetch_from`, the prompt's leading full blocks
 holds are sent over the target's inbound `Link` (transfers to one instance queue behind each
 other), inserted into the target's device tier when they arrive, and only then is the call
 submitted there. Bytes sent are counted in `stats.bytes_moved`. If the target cannot make room
-for them, the call is submitted anyway and recomputes (the bytes still count: they were sent).
+for them (or part of the prefix sits in its host/disk tier, below which device blocks cannot
+hang), the call is submitted anyway and recomputes (the bytes still count: they were sent).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pbkv.cache import Tier
 from pbkv.engine.base import EventQueue
 from pbkv.engine.request import Request
 from pbkv.engine.simulator import Simulator
@@ -40,6 +42,10 @@ class SimView:
     @property
     def load(self) -> float:
         return self.engine.load()
+
+    @property
+    def queued(self) -> float:
+        return self.engine.queued()
 
     def cached_prefix_tokens(self, hash_ids) -> int:
         _, matched = self.engine.tree.match(list(hash_ids))
@@ -160,20 +166,29 @@ class Cluster:
         self.stats.fetches += 1
         self.stats.fetched_tokens += tokens
         self.stats.bytes_moved += nbytes
-        self.at(done, lambda: self._arrived(k, blocks, req))
+        arrival = self.now
+        self.at(done, lambda: self._arrived(k, blocks, req, arrival))
 
-    def _arrived(self, k: int, blocks: list[int], req: Request) -> None:
+    def _arrived(self, k: int, blocks: list[int], req: Request, arrival: float) -> None:
         engine = self.instances[k]
         engine.now = max(engine.now, self._t)
-        _, have = engine.tree.match(blocks)
+        node, have = engine.tree.match(blocks)
         missing = (len(blocks) - have) * engine.block_size
         cache = engine.cache
-        if missing > 0 and cache.reserve(missing):
-            _, added = cache.insert(blocks, engine.block_size, engine.now)
-            cache.release(missing - added)
+        # device blocks may only hang below device nodes: if part of the prefix sits in the
+        # target's host or disk tier, the call loads that part itself and recomputes the rest
+        if missing > 0 and (have == 0 or node.tier == Tier.DEVICE):
+            engine.tree.lock(node)   # making room must not evict the path the blocks extend
+            if cache.reserve(missing):
+                _, added = cache.insert(blocks, engine.block_size, engine.now)
+                cache.release(missing - added)
+            else:
+                self.stats.fetch_failed += 1
+            engine.tree.unlock(node)
         elif missing > 0:
             self.stats.fetch_failed += 1
         engine.submit(req)
+        req.arrival = arrival   # the call waited for its KV: that wait is part of its latency
 
 
 def _noop() -> None:
