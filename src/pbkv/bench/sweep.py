@@ -34,7 +34,10 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "call
                "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
                "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written", "peak_rss_mb",
                # vLLM (--engine vllm) only
-               "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks")
+               "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks",
+               # several simulated instances behind a router (--instances / --router) only
+               "instances", "router", "link", "bytes_moved_between_instances", "kv_fetches", "kv_fetch_failed",
+               "workflow_moves", "max_instance_share")
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,15 @@ class SweepConfig:
     engine: str = "sim"                              # sim | hf | vllm
     hf: HFConfig | None = None                       # the real engine's settings (engine "hf"; default HFConfig())
     vllm: VLLMConfig | None = None                   # vLLM's settings (engine "vllm"; default VLLMConfig())
+    instances: int = 1                               # simulated instances behind a router (sim only)
+    routers: list[str] = field(default_factory=list)  # pbkv.route names; empty: one instance, no router
+    link: str = "pcie4"                              # instance-to-instance KV link (pbkv.scale.links)
+
+    def router_runs(self) -> list[str | None]:
+        """The router of each run: None (one plain instance) unless instances or routers are set."""
+        if self.instances > 1 or self.routers:
+            return list(self.routers) or ["pbkv"]
+        return [None]
 
 
 @functools.lru_cache(maxsize=8)
@@ -81,7 +93,7 @@ def load_workload(source: Source) -> Workload:
 
 
 def _run_one(args: tuple) -> dict:
-    source, policy, concurrency, cfg = args
+    source, policy, concurrency, cfg, router = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         from pbkv.policy.registry import needed_predictor
@@ -98,6 +110,10 @@ def _run_one(args: tuple) -> dict:
     if cfg.engine == "hf":
         from pbkv.bench.hf_run import HFConfig, run_hf
         record = run_hf(load_workload(source), run, cfg.hf or HFConfig())
+    elif router is not None:
+        from pbkv.bench.cluster_run import simulate_cluster
+        from pbkv.scale.links import get_link
+        record = simulate_cluster(load_workload(source), run, cfg.instances, router, get_link(cfg.link))
     else:
         record = simulate(load_workload(source), run)
     record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine)
@@ -106,7 +122,8 @@ def _run_one(args: tuple) -> dict:
 
 def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
     """Run every configuration; `on_done(record)` is called as each finishes (any order)."""
-    jobs = [(s, p, c, cfg) for s in cfg.sources for c in cfg.concurrency for p in cfg.policies]
+    jobs = [(s, p, c, cfg, r) for s in cfg.sources for c in cfg.concurrency for r in cfg.router_runs()
+            for p in cfg.policies]
     results: list[dict | None] = [None] * len(jobs)
     # real-engine runs go one after another in this process: one model load, and wall times
     # not distorted by a second run competing for the cores
@@ -130,11 +147,13 @@ def finish_records(records: list[dict]) -> list[dict]:
     On vLLM (`engine` "vllm") the baseline is vLLM alone (policy "vllm") instead of LRU."""
     def baseline(r):
         return "vllm" if r.get("engine") == "vllm" else "lru"
-    lru = {(r["workload"], r["concurrency"]): r for r in records if r["policy"] == baseline(r)}
+    def key(r):   # the runs a policy is compared within (same instances and router, if any)
+        return r["workload"], r["concurrency"], r.get("instances"), r.get("router")
+    lru = {key(r): r for r in records if r["policy"] == baseline(r)}
     out = []
     for r in records:
         rec = {k: r[k] for k in RECORD_KEYS if k in r}
-        base = lru.get((r["workload"], r["concurrency"]))
+        base = lru.get(key(r))
         if base is not None and r["policy"] != baseline(r):
             rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / max(r["mean_workflow_latency_s"], 1e-12)
             rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)
