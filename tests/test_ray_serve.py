@@ -60,3 +60,31 @@ def test_64_concurrent_clients_lose_and_mix_up_nothing(ray_local, router):
     if router == "sticky":   # pbkv may move a workflow off a long queue; sticky never does
         assert out["workflows_on_one_replica"] == 64, out
     serve.delete(f"p64-{router}")
+
+
+def test_a_killed_replica_is_routed_around_and_its_workflows_placed_again(ray_local):
+    handle = serve.run(probe_app(2, "sticky"), name="p-kill", route_prefix=None)
+    first = {h["workflow_id"]: handle.remote(h).result(timeout_s=60)["replica"]
+             for h in workflow_hints(workflows=4, steps=1)}
+    victim = sorted(set(first.values()))[0]
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if victim in a["name"] and "p-kill" in a["name"]]
+    assert len(actors) == 1, actors
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    failures, placed = 0, {}
+    for h in workflow_hints(workflows=4, steps=3):
+        for _attempt in range(3):          # the client's retry: a call sent to the dead replica fails
+            try:
+                answer = handle.remote(h).result(timeout_s=60)
+                break
+            except Exception:  # noqa: BLE001 - Ray raises ActorDiedError / RayActorError subclasses
+                failures += 1
+        else:
+            pytest.fail(f"{h['workflow_id']} failed 3 times")
+        assert answer["hints"] == h
+        placed.setdefault(h["workflow_id"], []).append(answer["replica"])
+    assert failures <= 1                       # at most the one call that found the replica dead
+    assert all(victim not in r for r in placed.values()), placed
+    moved = {w for w, r in first.items() if r == victim}
+    assert all(len(set(placed[w])) == 1 for w in moved), placed   # placed again once, then sticky
+    serve.delete("p-kill")
