@@ -16,8 +16,8 @@ from pbkv.driver import Recorder, Replay
 from pbkv.engine.cost import CostModel
 from pbkv.engine.simulator import Simulator
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.cluster import Cluster
-from pbkv.scale.links import Link
+from pbkv.scale.cluster import Cluster, SharedTier
+from pbkv.scale.links import Link, get_link
 
 
 # One request waiting for admission delays a new one by this share of an average prompt's
@@ -39,9 +39,10 @@ def router_config(cost: CostModel, workload: Workload, link: Link, gpus: int) ->
 
 
 def simulate_cluster(workload: Workload, cfg: RunConfig, instances: int, router: str, link: Link,
-                     progress=None) -> dict:
+                     progress=None, shared_tokens: int = 0, shared_link: Link | None = None) -> dict:
     """Replay `workload` on `instances` simulated instances; the one-instance record's fields
-    (summed over instances) plus `instances`, `router`, `bytes_moved_between_instances`."""
+    (summed over instances) plus `instances`, `router`, `bytes_moved_between_instances`, and with
+    `shared_tokens` > 0 a shared KV tier of that many tokens read over `shared_link`."""
     cost = CostModel(cfg.profile)
     setup = SimSetup(cost, cfg.concurrency)
     caps = setup.capacities(workload, cfg)
@@ -51,8 +52,10 @@ def simulate_cluster(workload: Workload, cfg: RunConfig, instances: int, router:
         policy = build_policy(workload, cfg, setup.call_seconds)
         engines.append(Simulator(cost, TieredCache(RadixTree(workload.trace.block_size), caps, policy), policy))
     gpus = cfg.profile.gpu.count
+    shared = SharedTier(shared_tokens, shared_link or get_link("nvme"), workload.trace.block_size) \
+        if shared_tokens > 0 else None
     cluster = Cluster(engines, make_router(router, router_config(cost, workload, link, gpus)), link,
-                      cost.kv_bytes, gpus)
+                      cost.kv_bytes, gpus, shared)
     record = Replay(cluster, workload.workflows, cfg.concurrency, Recorder(), progress).run().summary()
     caches = [e.cache for e in engines]
     stats = [e.stats for e in engines]
@@ -72,4 +75,8 @@ def simulate_cluster(workload: Workload, cfg: RunConfig, instances: int, router:
         "kv_fetches": cluster.stats.fetches, "kv_fetch_failed": cluster.stats.fetch_failed, "workflow_moves": cluster.stats.moves,
         "max_instance_share": max(cluster.stats.calls) / max(1, sum(cluster.stats.calls)),
     })
+    if shared is not None:
+        record.update({"shared_tier_tokens": shared_tokens, "shared_tier_reads": cluster.stats.shared_reads,
+                       "bytes_from_shared_tier": cluster.stats.bytes_from_shared,
+                       "bytes_to_shared_tier": cluster.stats.bytes_to_shared})
     return record

@@ -58,6 +58,11 @@ def check_routers(args: BenchArgs) -> None:
     for r in args.routers:
         router_class(r)
     get_link(args.link)
+    get_link(args.shared_link)
+    if args.shared_tokens < 0:
+        raise ValueError(f"--shared-tokens must be >= 0, got {args.shared_tokens}")
+    if args.shared_tokens and args.router_runs() == [None]:
+        raise ValueError("--shared-tokens needs --instances or --router (a shared tier of one instance is its disk)")
 
 
 def run(args: BenchArgs, console: Console) -> list[dict]:

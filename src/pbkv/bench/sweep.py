@@ -37,7 +37,8 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "call
                "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks",
                # several simulated instances behind a router (--instances / --router) only
                "instances", "router", "link", "bytes_moved_between_instances", "kv_fetches", "kv_fetch_failed",
-               "workflow_moves", "max_instance_share")
+               "workflow_moves", "max_instance_share", "shared_tier_tokens", "shared_tier_reads",
+               "bytes_from_shared_tier", "bytes_to_shared_tier")
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class SweepConfig:
     instances: int = 1                               # simulated instances behind a router (sim only)
     routers: list[str] = field(default_factory=list)  # pbkv.route names; empty: one instance, no router
     link: str = "pcie4"                              # instance-to-instance KV link (pbkv.scale.links)
+    shared_tokens: int = 0                           # a shared KV tier of this many tokens (0: none)
+    shared_link: str = "nvme"                        # how instances read the shared tier
 
     def router_runs(self) -> list[str | None]:
         """The router of each run: None (one plain instance) unless instances or routers are set."""
@@ -113,7 +116,8 @@ def _run_one(args: tuple) -> dict:
     elif router is not None:
         from pbkv.bench.cluster_run import simulate_cluster
         from pbkv.scale.links import get_link
-        record = simulate_cluster(load_workload(source), run, cfg.instances, router, get_link(cfg.link))
+        record = simulate_cluster(load_workload(source), run, cfg.instances, router, get_link(cfg.link),
+                                  shared_tokens=cfg.shared_tokens, shared_link=get_link(cfg.shared_link))
     else:
         record = simulate(load_workload(source), run)
     record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine)

@@ -27,6 +27,9 @@ RouterOpt = Annotated[Optional[str], typer.Option(
          "least-load, prefix, sticky, pbkv, or package.module:Class. Default with --instances > 1: pbkv.")]
 LinkOpt = Annotated[str, typer.Option(
     help="Instance-to-instance KV link: nvlink-h100, nvlink-a6000, pcie4, rdma, tcp (pbkv.scale.links).")]
+SharedTokensOpt = Annotated[int, typer.Option(
+    min=0, help="With --instances: a KV tier of this many tokens every instance writes and reads (0: none).")]
+SharedLinkOpt = Annotated[str, typer.Option(help="How instances read the shared tier (a --link name; default nvme).")]
 
 
 def bench(
@@ -54,6 +57,8 @@ def bench(
     instances: InstancesOpt = 1,
     router: RouterOpt = None,
     link: LinkOpt = "pcie4",
+    shared_tokens: SharedTokensOpt = 0,
+    shared_link: SharedLinkOpt = "nvme",
     jobs: JobsOpt = 2,
     out: OutOpt = Path("results/bench"),
     json_path: JsonOpt = None,
@@ -77,7 +82,8 @@ def bench(
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
-        instances=instances, routers=split(router) if router else [], link=link,
+        instances=instances, routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
+        shared_link=shared_link,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
                                   horizon=horizon or 3)))
 

@@ -11,9 +11,12 @@ behind. Before an instance steps, the next driver event is also put on that inst
 that was idle is brought to the cluster's time when a call is routed to it.
 
 KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
-holds are sent over the target's inbound `Link` (transfers to one instance queue behind each
-other), inserted into the target's device tier when they arrive, and only then is the call
-submitted there. Bytes sent are counted in `stats.bytes_moved`. If the target cannot make room
+holds beyond what the target holds are sent over the target's inbound `Link` (transfers to one
+instance queue behind each other), inserted into the target's device tier when they arrive,
+and only then is the call submitted there. Bytes sent are counted in `stats.bytes_moved`.
+With a `SharedTier`, every finished call's prompt blocks are also written behind to it, and a
+call whose prefix the shared tier holds further than the target or the router's peer fetch
+reads the extra blocks from it when that beats recomputing them (`stats.bytes_from_shared`). If the target cannot make room
 for them (or part of the prefix sits in its host/disk tier, below which device blocks cannot
 hang), the call is submitted anyway and recomputes (the bytes still count: they were sent).
 """
@@ -21,6 +24,7 @@ hang), the call is submitted anyway and recomputes (the bytes still count: they 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from pbkv.cache import Tier
@@ -29,6 +33,38 @@ from pbkv.engine.request import Request
 from pbkv.engine.simulator import Simulator
 from pbkv.route import RouteRequest, Router
 from pbkv.scale.links import Link
+
+
+class SharedTier:
+    """The simulated shared KV tier: full blocks any instance wrote, LRU-bounded in tokens; reads
+    cross `link` (its bandwidth and latency) into the reading instance."""
+
+    def __init__(self, capacity_tokens: int, link: Link, block_size: int):
+        self.capacity_blocks = capacity_tokens // block_size
+        self.link = link
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def prefix_blocks(self, hash_ids) -> int:
+        n = 0
+        for h in hash_ids:
+            if h not in self.blocks:
+                break
+            self.blocks.move_to_end(h)
+            n += 1
+        return n
+
+    def write(self, hash_ids) -> int:
+        """Store blocks (chained ids); returns how many were new."""
+        new = 0
+        for h in hash_ids:
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            else:
+                self.blocks[h] = None
+                new += 1
+        while len(self.blocks) > self.capacity_blocks:
+            self.blocks.popitem(last=False)
+        return new
 
 
 class SimView:
@@ -66,17 +102,21 @@ class ClusterStats:
     fetches: int = 0
     fetched_tokens: int = 0
     fetch_failed: int = 0
+    shared_reads: int = 0
+    bytes_from_shared: float = 0.0
+    bytes_to_shared: float = 0.0
     calls: list[int] = field(default_factory=list)   # calls routed to each instance
     moves: int = 0                                    # calls placed off their workflow's previous instance
 
 
 class Cluster:
     def __init__(self, instances: list[Simulator], router: Router, link: Link, kv_bytes_per_token: float,
-                 gpus_per_instance: int = 1):
+                 gpus_per_instance: int = 1, shared: SharedTier | None = None):
         if not instances:
             raise ValueError("a cluster needs at least one instance")
         self.instances, self.router, self.link = instances, router, link
         self.kv_bytes_per_token, self.gpus = kv_bytes_per_token, gpus_per_instance
+        self.shared = shared
         self.stats = ClusterStats(calls=[0] * len(instances))
         self._events = EventQueue()
         self._t = 0.0
@@ -125,11 +165,17 @@ class Cluster:
         if k not in self._started.setdefault(req.workflow, set()):
             self._started[req.workflow].add(k)
             engine.start_workflow(req.workflow, request.workflow_id)
-        blocks = decision.fetch_tokens // engine.block_size
-        if decision.fetch_from is None or blocks <= 0:
+        _, local = engine.tree.match(call.hash_ids)
+        peer = local + decision.fetch_tokens // engine.block_size if decision.fetch_from is not None else local
+        shared = self._shared_blocks(call, local, peer)
+        if shared > peer:
+            self._fetch(k, list(call.hash_ids[:shared]), req, local, self.shared.link, shared=True)
+        elif peer > local:
+            self._fetch(k, list(call.hash_ids[:peer]), req, local, self.link)
+        else:
             engine.submit(req)
-            return
-        self._fetch(k, list(call.hash_ids[:blocks]), req)
+        if self.shared is not None:
+            self._write_behind(req)
 
     def run(self) -> None:
         """Serve until no instance has work and no driver event is left."""
@@ -156,18 +202,48 @@ class Cluster:
 
     # ------------------------------------------------------------------ KV movement
 
-    def _fetch(self, k: int, blocks: list[int], req: Request) -> None:
+    def _fetch(self, k: int, blocks: list[int], req: Request, local: int, link: Link, shared: bool = False) -> None:
+        """Send `blocks` (a prompt's leading full blocks; the target holds the first `local`)."""
         engine = self.instances[k]
-        tokens = len(blocks) * engine.block_size
+        tokens = (len(blocks) - local) * engine.block_size
         nbytes = tokens * self.kv_bytes_per_token
         start = max(self.now, self._inbound_free[k])
-        done = start + self.link.seconds(nbytes, self.gpus)
+        done = start + link.seconds(nbytes, self.gpus)
         self._inbound_free[k] = done
-        self.stats.fetches += 1
-        self.stats.fetched_tokens += tokens
-        self.stats.bytes_moved += nbytes
+        if shared:
+            self.stats.shared_reads += 1
+            self.stats.bytes_from_shared += nbytes
+        else:
+            self.stats.fetches += 1
+            self.stats.fetched_tokens += tokens
+            self.stats.bytes_moved += nbytes
         arrival = self.now
         self.at(done, lambda: self._arrived(k, blocks, req, arrival))
+
+    def _shared_blocks(self, call, local: int, peer: int) -> int:
+        """Leading full blocks to read from the shared tier: its prefix when longer than what the
+        target or a peer transfer gives and reading it beats recomputing it; else 0."""
+        if self.shared is None:
+            return 0
+        full = call.input_length // self.instances[0].block_size
+        have = self.shared.prefix_blocks(call.hash_ids[:full])
+        extra = (have - max(local, peer)) * self.instances[0].block_size
+        if extra <= 0:
+            return 0
+        read_s = self.shared.link.seconds(extra * self.kv_bytes_per_token, self.gpus)
+        return have if read_s < self.router.config.recompute_s(extra) else 0
+
+    def _write_behind(self, req: Request) -> None:
+        """When the call ends, its prompt's full blocks go to the shared tier (write-behind: the
+        copy overlaps with compute, counted in bytes, not in time)."""
+        done = req.on_done
+
+        def on_done(r: Request) -> None:
+            full = r.call.input_length // self.instances[0].block_size
+            written = self.shared.write(r.call.hash_ids[:full])
+            self.stats.bytes_to_shared += written * self.instances[0].block_size * self.kv_bytes_per_token
+            done(r)
+        req.on_done = on_done
 
     def _arrived(self, k: int, blocks: list[int], req: Request, arrival: float) -> None:
         engine = self.instances[k]

@@ -9,7 +9,9 @@ a particular cluster (pass `Link(...)` with measured numbers for that):
   way (NVIDIA RTX A6000 datasheet); it joins GPU pairs only, so between two TP-4 instances on one
   node KV crosses PCIe 4.0 x16 (~25 GB/s achieved) unless a bridge pairs the two GPUs;
 - rdma: one 400 Gb/s InfiniBand/RoCE NIC (ConnectX-7) = 50 GB/s, per GPU when each has its own;
-- tcp: 25 GbE = ~3 GB/s, shared by the instance, with ~100 us of software latency.
+- tcp: 25 GbE = ~3 GB/s, shared by the instance, with ~100 us of software latency;
+- nvme: the shared KV tier on one NVMe SSD (PCIe 4.0 x4, ~7 GB/s sequential read; 5 GB/s
+  taken), shared by the instance, ~100 us per read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ LINKS = {
     "pcie4": Link("pcie4", 25.0, 1e-5),
     "rdma": Link("rdma", 50.0, 1e-5),
     "tcp": Link("tcp", 3.1, 1e-4, shared=True),
+    "nvme": Link("nvme", 5.0, 1e-4, shared=True),
 }
 
 
