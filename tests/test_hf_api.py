@@ -8,7 +8,8 @@ import pytest
 
 from hf_helpers import BS, assert_same_as_reference, check, lm, make_engine, random_prompt, reference  # noqa: F401
 from pbkv.cache import Tier
-from pbkv.engine.hf import CANCELLED, LENGTH, STOP, Sampling, Stuck, Worker, block_hashes
+from pbkv.engine.hf import Stuck, Worker, block_hashes
+from pbkv.engine.sampling import CANCELLED, LENGTH, STOP, Sampling
 from pbkv.engine.request import Request
 from pbkv.trace import Call
 

@@ -1,7 +1,8 @@
 """One run on the real engine (`pbkv bench --engine hf`): a workload, a policy, a concurrency.
 
-The same driver (`pbkv.driver.Replay`, closed-loop lanes or open-loop arrivals) drives the real
-engine exactly as it drives the simulator; the engine's wall clock (idle tool waits skipped, see
+The run is built by the same function as a simulated one (`pbkv.bench.runner.run_workload`: the
+same predictors, policy, cache and driver, closed-loop lanes or open-loop arrivals); only the
+engine differs (`HFSetup`); the engine's wall clock (idle tool waits skipped, see
 `pbkv.engine.hf.transfer.WallClock`) replaces simulated time. The workload is first scaled
 (`--scale F`: every length / F, prefix sharing kept) so a real trace fits a CPU; block ids
 become token ids by the trace format's rule. Capacities are in (scaled) tokens; without
@@ -11,14 +12,13 @@ device, disk = 8 x device unless given.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from pbkv.bench.run import RunConfig, Workload, check_fits
-from pbkv.cache import Capacities, CapacityDefaults, RadixTree, Tier, TieredCache
-from pbkv.driver import Recorder, Replay
-from pbkv.policy import PolicyContext, make_policy, needs_future
-from pbkv.policy.future import Future
+from pbkv.bench.run import RunConfig, Workload
+from pbkv.bench.runner import EngineSetup, run_workload
+from pbkv.cache import Capacities, CapacityDefaults, Tier, TieredCache
+from pbkv.policy import Policy
+from pbkv.trace import Call
 
 
 @dataclass(frozen=True)
@@ -54,56 +54,54 @@ def hf_capacities(workload: Workload, cfg: RunConfig) -> Capacities:
     return cfg.cache.resolve(CapacityDefaults(8 * longest, host_ratio=cfg.profile.host_ratio, disk_ratio=8))
 
 
-def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> dict:
-    """Replay `workload` on the real model under `cfg`; the simulator's record plus real figures."""
-    from pbkv.engine.hf import EngineOptions, HFEngine, scale_trace
+@dataclass
+class HFSetup(EngineSetup):
+    """The real engine on a loaded model: capacities from `hf_capacities`, wall-clock time."""
 
-    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale, hf.output_scale), workload.agent_graph)
-    caps = hf_capacities(scaled, cfg)
-    check_fits(scaled, caps.device)
-    lm = get_model(hf)
-    predictors = cfg.predictors
-    if predictors and not cfg.online_learner:
-        from pbkv.predict.cached import CachedPredictor
-        predictors = {v: CachedPredictor(p, scaled.workflows) for v, p in predictors.items()}
-    ctx = PolicyContext(block_size=scaled.trace.block_size, agent_graph=scaled.agent_graph,
-                        static_sequence=scaled.static_sequence, horizon=cfg.horizon,
-                        online_learner=cfg.online_learner, predictors=predictors)
-    if needs_future(cfg.policy):
-        # the oracle's rough per-call cost: CPU-scale prefill and decode speeds
-        ctx.future = Future(scaled.workflows, scaled.trace.block_size, cfg.concurrency,
-                            lambda c: c.input_length / 5000 + c.output_length * 0.005)
-    policy = make_policy(cfg.policy, ctx)
-    cache = TieredCache(RadixTree(scaled.trace.block_size), caps, policy)
-    engine = HFEngine(lm, cache, policy, options=EngineOptions(load_rule=hf.load_rule, seed=hf.seed),
-                      disk_dir=hf.disk_dir)
-    start = time.perf_counter()
-    try:
-        recorder = Replay(engine, scaled.workflows, cfg.concurrency, Recorder(), progress).run()
-    finally:
+    lm: object                      # pbkv.engine.hf.LoadedModel
+    hf: HFConfig
+
+    def __post_init__(self):
+        self.kv_bytes_per_token = self.lm.kv_bytes_per_token
+
+    def capacities(self, workload: Workload, cfg: RunConfig) -> Capacities:
+        return hf_capacities(workload, cfg)
+
+    def call_seconds(self, call: Call) -> float:
+        return call.input_length / 5000 + call.output_length * 0.005  # CPU-scale prefill and decode speeds
+
+    def make_engine(self, cache: TieredCache, policy: Policy):
+        from pbkv.engine.hf import EngineOptions, HFEngine
+        return HFEngine(self.lm, cache, policy, options=EngineOptions(load_rule=self.hf.load_rule, seed=self.hf.seed),
+                        disk_dir=self.hf.disk_dir)
+
+    def close(self, engine) -> None:
         engine.close()
-    wall = time.perf_counter() - start
-    record = recorder.summary()
-    s, kv = engine.stats, lm.kv_bytes_per_token
-    record.update({
-        "engine": "hf", "model": lm.name, "scale": hf.scale,
-        "wall_seconds": wall, "idle_skipped_seconds": engine.clock.skipped,
-        "computed_tokens": s.computed_tokens, "prefill_seconds": s.prefill_seconds,
-        "decode_seconds": s.decode_seconds, "decode_steps": s.decode_steps,
-        "loaded_host_tokens": s.loaded_tokens[Tier.HOST], "loaded_disk_tokens": s.loaded_tokens[Tier.DISK],
-        "bytes_loaded": kv * (s.loaded_tokens[Tier.HOST] + s.loaded_tokens[Tier.DISK]),
-        "bytes_offloaded": kv * cache.stats.demoted[Tier.DEVICE],
-        "prefetched_tokens": s.prefetched_tokens, "evictions": cache.stats.evictions,
-        "load_waits": s.load_waits, "recompute_instead_of_load": s.recompute_instead_of_load,
-        "failed_loads": s.failed_loads, "corrupt_files": engine.store.stats.corrupt,
-        "disk_files_written": engine.store.stats.files_written,
-        "device_tokens": caps.device, "host_tokens": caps.host, "disk_tokens": caps.disk,
-        "policy_seconds": s.policy_seconds, "peak_rss_mb": peak_rss_mb(),
-    })
-    monitor = getattr(policy, "monitor", None)
-    if monitor is not None:
-        record.update(monitor.summary())
-    return record
+
+    def record(self, engine, cache: TieredCache, wall_seconds: float) -> dict:
+        s, kv = engine.stats, self.kv_bytes_per_token
+        return {
+            "engine": "hf", "model": self.lm.name, "scale": self.hf.scale,
+            "wall_seconds": wall_seconds, "idle_skipped_seconds": engine.clock.skipped,
+            "computed_tokens": s.computed_tokens,
+            "loaded_host_tokens": s.loaded_tokens[Tier.HOST], "loaded_disk_tokens": s.loaded_tokens[Tier.DISK],
+            "bytes_loaded": kv * (s.loaded_tokens[Tier.HOST] + s.loaded_tokens[Tier.DISK]),
+            "load_waits": s.load_waits, "recompute_instead_of_load": s.recompute_instead_of_load,
+            "failed_loads": s.failed_loads, "corrupt_files": engine.store.stats.corrupt,
+            "disk_files_written": engine.store.stats.files_written, "peak_rss_mb": peak_rss_mb(),
+        }
+
+
+def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> dict:
+    """Replay `workload`, scaled by `hf`, on the real model under `cfg`; the record of
+    `runner.run_workload` plus the real engine's figures."""
+    return run_workload(scale_workload(workload, hf), cfg, HFSetup(get_model(hf), hf), progress)
+
+
+def scale_workload(workload: Workload, hf: HFConfig) -> Workload:
+    """`workload` with every length divided by `hf.scale` (outputs by `hf.output_scale`)."""
+    from pbkv.engine.hf import scale_trace
+    return Workload(workload.name, scale_trace(workload.trace, hf.scale, hf.output_scale), workload.agent_graph)
 
 
 def peak_rss_mb() -> float:

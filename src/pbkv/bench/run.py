@@ -1,16 +1,17 @@
-"""One simulated run: a workload, a policy, a concurrency, a profile -> one flat result record."""
+"""A run's inputs (`Workload`, `RunConfig`) and the simulated run: a workload, a policy, a
+concurrency, a profile -> one flat result record. The run itself is built by
+`pbkv.bench.runner.run_workload`; the simulator only brings its `SimSetup`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pbkv.cache import CacheConfig, Capacities, CapacityDefaults, RadixTree, Tier, TieredCache
-from pbkv.driver import Recorder, Replay
+from pbkv.bench.runner import EngineSetup, run_workload
+from pbkv.cache import CacheConfig, Capacities, CapacityDefaults, Tier, TieredCache
 from pbkv.engine.cost import CostModel
 from pbkv.engine.profiles import Profile
 from pbkv.engine.simulator import Simulator
-from pbkv.policy import PolicyContext, make_policy, needs_future
-from pbkv.policy.future import Future
+from pbkv.policy import Policy
 from pbkv.policy.step_graph import graph_from_sequences, static_sequence
 from pbkv.trace import Call, Trace
 
@@ -61,50 +62,31 @@ def nominal_duration(cost: CostModel, concurrency: int | None) -> callable:
     return duration
 
 
-def check_fits(workload: Workload, device_tokens: int) -> None:
-    for calls in workload.workflows:
-        for c in calls:
-            if c.input_length + c.output_length > device_tokens:
-                raise ValueError(f"{workload.name}: call {c.workflow_id} step {c.step} needs "
-                                 f"{c.input_length + c.output_length} tokens, more than the device "
-                                 f"capacity of {device_tokens}; raise --device-tokens")
+@dataclass
+class SimSetup(EngineSetup):
+    """The simulator: capacities from the profile (or the run's), time from its cost model."""
+
+    cost: CostModel
+    concurrency: int | None
+
+    def __post_init__(self):
+        self.kv_bytes_per_token = self.cost.kv_bytes
+        self._duration = nominal_duration(self.cost, self.concurrency)
+
+    def call_seconds(self, call: Call) -> float:
+        return self._duration(call)
+
+    def capacities(self, workload: Workload, cfg: RunConfig) -> Capacities:
+        return cfg.capacities()
+
+    def make_engine(self, cache: TieredCache, policy: Policy) -> Simulator:
+        return Simulator(self.cost, cache, policy)
+
+    def record(self, engine: Simulator, cache: TieredCache, wall_seconds: float) -> dict:
+        loaded = cache.stats.loaded
+        return {"bytes_loaded": self.kv_bytes_per_token * (loaded[Tier.HOST] + loaded[Tier.DISK])}
 
 
 def simulate(workload: Workload, cfg: RunConfig, progress=None) -> dict:
-    """Replay `workload` under `cfg`; return the summary record (see `Recorder.summary`)."""
-    cost = CostModel(cfg.profile)
-    caps = cfg.capacities()
-    check_fits(workload, caps.device)
-    predictors = cfg.predictors
-    if predictors and not (cfg.online_learner or cfg.live_predictions):
-        from pbkv.predict.cached import CachedPredictor  # same answers, batched ahead of the run
-        predictors = {v: CachedPredictor(p, workload.workflows) for v, p in predictors.items()}
-    ctx = PolicyContext(block_size=workload.trace.block_size, agent_graph=workload.agent_graph,
-                        static_sequence=workload.static_sequence, horizon=cfg.horizon,
-                        online_learner=cfg.online_learner, predictors=predictors)
-    if needs_future(cfg.policy):
-        ctx.future = Future(workload.workflows, workload.trace.block_size, cfg.concurrency,
-                            nominal_duration(cost, cfg.concurrency))
-    policy = make_policy(cfg.policy, ctx)
-    cache = TieredCache(RadixTree(workload.trace.block_size), caps, policy)
-    engine = Simulator(cost, cache, policy)
-    recorder = Replay(engine, workload.workflows, cfg.concurrency, Recorder(), progress).run()
-    record = recorder.summary()
-    kv = cost.kv_bytes
-    record.update({
-        "bytes_loaded": kv * (cache.stats.loaded[Tier.HOST] + cache.stats.loaded[Tier.DISK]),
-        "bytes_offloaded": kv * cache.stats.demoted[Tier.DEVICE],
-        "prefetched_tokens": engine.stats.prefetched_tokens,
-        "evictions": cache.stats.evictions,
-        "device_tokens": caps.device,
-        "host_tokens": caps.host,
-        "disk_tokens": caps.disk,
-        "prefill_seconds": engine.stats.prefill_seconds,
-        "decode_seconds": engine.stats.decode_seconds,
-        "policy_seconds": engine.stats.policy_seconds,
-        "policy_overhead": engine.stats.policy_seconds / max(record["makespan_s"], 1e-9),
-    })
-    monitor = getattr(policy, "monitor", None)
-    if monitor is not None:
-        record.update(monitor.summary())
-    return record
+    """Replay `workload` under `cfg` on the simulator; the record of `runner.run_workload`."""
+    return run_workload(workload, cfg, SimSetup(CostModel(cfg.profile), cfg.concurrency), progress)

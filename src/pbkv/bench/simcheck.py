@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.table import Table
 
 from pbkv.bench import predictors as predictors_mod
-from pbkv.bench.hf_run import HFConfig, get_model, hf_capacities, run_hf
-from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.bench.hf_run import HFConfig, get_model, hf_capacities, run_hf, scale_workload
+from pbkv.bench.run import RunConfig, simulate
 from pbkv.bench.sweep import Source, load_workload
 from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
@@ -41,9 +41,8 @@ def calibrate(hf: HFConfig, output: Path, max_len: int = 512, repeats: int = 2) 
 def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: HFConfig, profile: str,
              cache: CacheConfig, predictor: predictors_mod.PredictorSource, out: Path, progress=None) -> list[dict]:
     """Per policy, a record with `real_<key>` and `sim_<key>` for the figures in COMPARED."""
-    from pbkv.engine.hf import scale_trace
     workload = load_workload(source)
-    scaled = Workload(workload.name, scale_trace(workload.trace, hf.scale, hf.output_scale), workload.agent_graph)
+    scaled = scale_workload(workload, hf)
     paths = predictors_mod.prepare([source], policies, predictor, out / "models")
     predictors = {variant: predictors_mod.load(path) for (_, variant), path in paths.items()}
     prof = load_profile(profile)

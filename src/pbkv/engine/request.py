@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from pbkv.cache import Move, Node
+from pbkv.engine.sampling import Sampling
 from pbkv.trace import Call
-
-if TYPE_CHECKING:
-    from pbkv.engine.hf.sampling import Sampling
 
 
 @dataclass(slots=True, eq=False)
@@ -17,7 +15,7 @@ class Request:
     call: Call
     workflow: int
     on_done: Callable[[Request], None]
-    # generation settings (the real engine; the simulator ignores them): see pbkv.engine.hf.sampling
+    # generation settings (the real engine; the simulator ignores them): see pbkv.engine.sampling
     sampling: Sampling | None = None
     on_token: Callable[[Request, int], bool] | None = None   # True: stop after this token
     finish_reason: str | None = None   # set once, right before on_done ("length", "stop", ...)

@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import heapq
 import math
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 from pbkv.cache import Node, Tier, TieredCache
+from pbkv.engine import base
+from pbkv.engine.base import EngineBase, tokens_by_tier
 from pbkv.engine.cost import CostModel
 from pbkv.engine.prefetch import prepare_prefetches
 from pbkv.engine.request import Request
-from pbkv.policy import CallEvent, Policy, PrefetchRequest
+from pbkv.policy import Policy, PrefetchRequest
 
 ADMITTED, LOADING, BLOCKED = "admitted", "loading", "blocked"
 
@@ -38,33 +38,21 @@ class SimulationError(RuntimeError):
 
 
 @dataclass
-class EngineStats:
-    prefill_passes: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
+class EngineStats(base.EngineStats):
     loads: int = 0
     load_seconds: float = 0.0
-    prefetched_tokens: int = 0
-    policy_calls: int = 0
-    policy_seconds: float = 0.0   # wall time spent in the policy's event hooks (predictions included)
 
 
-class Simulator:
+class Simulator(EngineBase):
     """The simulated engine. Drivers call `start_workflow`, `submit`, `end_workflow`, `at`, `run`."""
 
     def __init__(self, cost: CostModel, cache: TieredCache, policy: Policy):
-        self.cost = cost
-        self.cache = cache
-        self.tree = cache.tree
-        self.policy = policy
-        self.block_size = cache.tree.block_size
         self.now = 0.0
-        self.stats = EngineStats()
-        self.waiting: list[Request] = []
-        self._running: list[tuple[int, int, Request]] = []  # heap by finish step
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = 0
+        super().__init__(cache, policy, EngineStats(), self.clock)
+        self.cost = cost
+        self.block_size = cache.tree.block_size
+        self._running: list[tuple[int, int, Request]] = []  # heap by finish step, then join order
+        self._joined = 0
         self._step = 0
         self._sum_input = 0   # prompt tokens of running requests
         self._sum_join = 0    # decode step at which each running request joined
@@ -73,69 +61,38 @@ class Simulator:
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
         self.max_running = prof.max_running
-        policy.bind(cache, self.clock)
 
     # ------------------------------------------------------------------ driver API
 
     def clock(self) -> float:
         return self.now
 
-    def at(self, when: float, fn: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (max(when, self.now), self._seq, fn))
-
-    def start_workflow(self, workflow: int, workflow_id: str) -> None:
-        self._timed(self.policy.on_workflow_start, workflow, workflow_id)
-
-    def end_workflow(self, workflow: int) -> None:
-        nodes = self.cache.end_workflow(workflow)
-        self._timed(self.policy.on_workflow_end, workflow, nodes)
-
-    def submit(self, req: Request) -> None:
-        req.arrival = self.now
-        node, _ = self.tree.match(req.call.hash_ids)
-        self._timed(self.policy.on_call_start, self._event(req, node))
-        self.waiting.append(req)
-
-    def _timed(self, hook, *args):
-        start = time.perf_counter()
-        out = hook(*args)
-        self.stats.policy_seconds += time.perf_counter() - start
-        return out
+    def at(self, when: float, fn) -> None:
+        super().at(max(when, self.now), fn)   # never in the past: due events fire in scheduling order
 
     def run(self) -> None:
         """Serve until no request, event or load is left."""
         while True:
             self._fire_events()
-            if self.waiting and self._prefill_round():
+            if self._waiting and self._prefill_round():
                 continue
             if self._running:
                 self._decode_round()
             elif self._events:
-                self.now = max(self.now, self._events[0][0])
-            elif self.waiting and self._unpin_waiting():
+                self.now = max(self.now, self._events.next_time())
+            elif self._waiting and self._unpin_waiting():
                 continue
-            elif self.waiting:
-                req = self.waiting[0]
-                raise SimulationError(
-                    f"stuck: call {req.call.workflow_id} step {req.call.step} needs "
-                    f"{req.call.input_length + req.call.output_length} device tokens; capacity "
-                    f"{self.cache.capacity.device}, evictable {self.cache.evictable(Tier.DEVICE)}")
+            elif self._waiting:
+                raise SimulationError(self._stuck_message(self._waiting[0]))
             else:
                 return
 
     # ------------------------------------------------------------------ scheduling
 
-    def _fire_events(self) -> None:
-        events = self._events
-        while events and events[0][0] <= self.now:
-            _, _, fn = heapq.heappop(events)
-            fn()
-
     def _prefill_round(self) -> bool:
         batch: list[Request] = []
         flops, budget = 0.0, self.max_prefill_tokens
-        for req in self.waiting:
+        for req in self._waiting:
             if req.loading:
                 continue
             if len(self._running) + len(batch) >= self.max_running:
@@ -154,10 +111,10 @@ class Simulator:
         if not batch:
             return False
         admitted = set(map(id, batch))
-        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self._waiting = [r for r in self._waiting if id(r) not in admitted]
         seconds = self.cost.prefill_seconds(flops)
         self.now += seconds
-        self.stats.prefill_passes += 1
+        self.stats.prefills += 1
         self.stats.prefill_seconds += seconds
         for req in batch:
             self._after_prefill(req)
@@ -175,9 +132,7 @@ class Simulator:
         if matched and node.end > matched:  # pin and load only what matches
             node = self.tree.split(node, matched - node.start)
         path = node.path() if matched else []
-        per_tier = [0, 0, 0]
-        for n in path:
-            per_tier[n.tier] += n.tokens
+        per_tier = tokens_by_tier(path)
         over = sum(per_tier) - (call.input_length - 1)  # the last prompt token is always computed
         if over > 0:
             per_tier[path[-1].tier] -= over
@@ -208,18 +163,8 @@ class Simulator:
             self.tree.touch(pin, self.now, req.workflow, call.agent)
         return ADMITTED
 
-    def _unpin_waiting(self) -> bool:
-        """Nothing runs and the queue head cannot fit: free the prefixes that queued requests
-        loaded and still pin (they will be matched again). Returns whether anything was freed."""
-        freed = False
-        for req in self.waiting[1:]:
-            if req.node is not None and not req.loading:
-                self.tree.unlock(req.node)
-                req.node, freed = None, True
-        return freed
-
     def _start_load(self, nodes: list[Node]) -> float:
-        done_at = self._transfer(self._tokens_by_tier(nodes))
+        done_at = self._transfer(tokens_by_tier(nodes))
         for n in nodes:
             self._inflight[n.id] = done_at
         return done_at
@@ -249,8 +194,8 @@ class Simulator:
             self._finish(req)
             return
         req.join_step, req.finish_step = self._step, self._step + remaining
-        self._seq += 1
-        heapq.heappush(self._running, (req.finish_step, self._seq, req))
+        self._joined += 1
+        heapq.heappush(self._running, (req.finish_step, self._joined, req))
         self._sum_input += call.input_length
         self._sum_join += self._step
 
@@ -261,7 +206,7 @@ class Simulator:
         dt = self.cost.decode_step_seconds(batch, context)
         steps = running[0][0] - self._step
         if self._events:
-            steps = min(steps, max(1, math.ceil((self._events[0][0] - self.now) / dt)))
+            steps = min(steps, max(1, math.ceil((self._events.next_time() - self.now) / dt)))
         self._prefetch(steps * dt)
         self.now += steps * dt
         self._step += steps
@@ -284,12 +229,6 @@ class Simulator:
 
     # ------------------------------------------------------------------ transfers
 
-    def _tokens_by_tier(self, nodes: list[Node]) -> list[int]:
-        out = [0, 0, 0]
-        for n in nodes:
-            out[n.tier] += n.tokens
-        return out
-
     def _transfer(self, tokens_by_tier: list[int]) -> float:
         """Queue a load on the host->device link; return when it completes."""
         seconds = self.cost.load_seconds(tokens_by_tier)
@@ -304,14 +243,9 @@ class Simulator:
         budget = int(self.cost.tokens_per_second_pcie() * seconds)
         if budget <= 0 or self._link_free_at > self.now:
             return
-        self.stats.policy_calls += 1
         wanted = self._timed(self.policy.prefetch, PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
         for move, tokens in prepare_prefetches(self.cache, wanted, budget, self.policy.allow_evict_for_prefetch,
                                                lambda n: n.id in self._inflight):
             self.stats.prefetched_tokens += tokens
             done_at = self._start_load(move.nodes)
             self.at(done_at, lambda m=move: self._complete(m))
-
-    def _event(self, req: Request, node: Node | None) -> CallEvent:
-        call = req.call
-        return CallEvent(req.workflow, call.agent, call.step, call, node or self.tree.root, self.now)

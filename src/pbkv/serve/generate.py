@@ -18,7 +18,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pbkv.engine.hf.sampling import Sampling
+from pbkv.engine.sampling import Sampling
 from pbkv.serve import schemas
 from pbkv.serve.errors import APIError, bad_request, model_not_found, overloaded
 from pbkv.serve.jobs import ERROR, Done, Job

@@ -1,7 +1,8 @@
 """The real engine's cache side: admitting a request, loads and prefetches, inserting new KV.
 
 Mixed into `HFEngine` (engine.py), which holds `cache`, `tree`, `store`, `policy`, `rates`,
-`clock`, `opts`, `stats`, `_waiting`, `_transfers` and `_inflight` (and `_limit`, execute.py).
+`clock`, `opts`, `stats`, `_waiting`, `_transfers` and `_inflight` (and `_limit`, execute.py;
+`_timed`, the `_waiting` list and `_unpin_waiting` come from `pbkv.engine.base.EngineBase`).
 All tree and cache updates run on the engine's thread; the worker thread only copies tensors and
 reads and writes files.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pbkv.cache import Move, Node, Tier
+from pbkv.engine.base import tokens_by_tier
 from pbkv.engine.hf.transfer import Transfer, load_task
 from pbkv.engine.prefetch import prepare_prefetches
 from pbkv.engine.request import Request
@@ -51,43 +53,18 @@ class CacheOps:
     # ------------------------------------------------------------------ admission
 
     def _admit(self, req: Request) -> tuple[str, Admission | None]:
-        call, rule = req.call, self.opts.load_rule
-        node, matched = self.tree.match(call.hash_ids)
-        if matched and node.end > matched:
-            if node.id in self._inflight:
-                return self._wait(req), None
-            node = self.tree.split(node, matched - node.start)
-        path = node.path() if matched else []
-        for i, n in enumerate(path):
-            if self.store.is_lost(n):
-                path = path[:i]
-                break
+        call = req.call
+        path = self._usable_path(req)
+        if path is None:
+            return self._wait(req), None
         cap = call.input_length - 1  # the last prompt token is always computed (its logits)
         first = next((i for i, n in enumerate(path) if n.tier != Tier.DEVICE), len(path))
         device = sum(n.tokens for n in path[:first])
         promote, recomputing = None, first < len(path)
         if recomputing:
-            lower = path[first:]
-            by_tier = [0, 0, 0]
-            for n in lower:
-                by_tier[n.tier] += n.tokens
-            recompute = self.rates.prefill_seconds(max(0, min(device + sum(by_tier), cap) - device))
-            busy = [self._inflight[n.id] for n in lower if n.id in self._inflight]
-            if busy:
-                if rule == "load" or (rule == "auto" and max(t.eta for t in busy) - self.clock.now() <= recompute):
-                    return self._wait(req), None
-            elif rule == "load" or (rule == "auto" and self.rates.load_seconds(by_tier) <= recompute):
-                move = self.cache.prepare_load(lower, keep_lock=True)
-                if move is not None:
-                    over = max(0, device + sum(by_tier) - cap)
-                    by_tier[lower[-1].tier] -= over
-                    req.count_hits([min(device, cap)] + by_tier[1:])
-                    req.move, req.loading, req.node = move, True, lower[-1]
-                    self._start_transfer(move, req)
-                    return LOADING, None
-            if not busy and device + sum(by_tier) <= call.input_length:
-                # recompute, keeping the result: room on the device for these nodes' fresh KV
-                promote = self.cache.prepare_load(lower, keep_lock=True)
+            status, promote = self._load_or_recompute(req, path[first:], device, cap)
+            if status is not None:
+                return status, None
             if promote is None:
                 path = path[:first]
         cached = min(device, cap)
@@ -112,21 +89,51 @@ class CacheOps:
             self.tree.touch(pin, req.admitted, req.workflow, call.agent)
         return ADMITTED, Admission(req, path[:first], cached, promote)
 
+    def _usable_path(self, req: Request) -> list[Node] | None:
+        """The cached path of `req`'s prompt, root side first, cut before its first lost node;
+        None when the prompt diverges inside a node in flight (never split: the request waits)."""
+        node, matched = self.tree.match(req.call.hash_ids)
+        if matched and node.end > matched:
+            if node.id in self._inflight:
+                return None
+            node = self.tree.split(node, matched - node.start)
+        path = node.path() if matched else []
+        for i, n in enumerate(path):
+            if self.store.is_lost(n):
+                return path[:i]
+        return path
+
+    def _load_or_recompute(self, req: Request, lower: list[Node], device: int,
+                           cap: int) -> tuple[str | None, Move | None]:
+        """The prefix below the `device` tokens on the device is `lower` (host/disk): start its
+        load (LOADING), wait for it (WAIT), or recompute it: (None, the promotion of `lower` to
+        the device with its fresh KV, or None when there is no room for that)."""
+        rule = self.opts.load_rule
+        by_tier = tokens_by_tier(lower)
+        recompute = self.rates.prefill_seconds(max(0, min(device + sum(by_tier), cap) - device))
+        busy = [self._inflight[n.id] for n in lower if n.id in self._inflight]
+        if busy:
+            if rule == "load" or (rule == "auto" and max(t.eta for t in busy) - self.clock.now() <= recompute):
+                return self._wait(req), None
+        elif rule == "load" or (rule == "auto" and self.rates.load_seconds(by_tier) <= recompute):
+            move = self.cache.prepare_load(lower, keep_lock=True)
+            if move is not None:
+                over = max(0, device + sum(by_tier) - cap)
+                by_tier[lower[-1].tier] -= over
+                req.count_hits([min(device, cap)] + by_tier[1:])
+                req.move, req.loading, req.node = move, True, lower[-1]
+                self._start_transfer(move, req)
+                return LOADING, None
+        if not busy and device + sum(by_tier) <= req.call.input_length:
+            # recompute, keeping the result: room on the device for these nodes' fresh KV
+            return None, self.cache.prepare_load(lower, keep_lock=True)
+        return None, None
+
     def _wait(self, req: Request) -> str:
         if id(req) not in self._waited:  # count each request once, however often it is polled
             self._waited.add(id(req))
             self.stats.load_waits += 1
         return WAIT
-
-    def _unpin_waiting(self) -> bool:
-        """Nothing runs and the queue head cannot fit: release the prefixes queued requests
-        loaded and still pin (they are matched again when admitted). Whether anything was freed."""
-        freed = False
-        for req in self._waiting[1:]:
-            if req.node is not None and not req.loading:
-                self.tree.unlock(req.node)
-                req.node, freed = None, True
-        return freed
 
     # ------------------------------------------------------------------ insertion
 
@@ -153,9 +160,7 @@ class CacheOps:
     # ------------------------------------------------------------------ transfers
 
     def _start_transfer(self, move: Move, req: Request | None) -> None:
-        tokens = [0, 0, 0]
-        for n in move.nodes:
-            tokens[n.tier] += n.tokens
+        tokens = tokens_by_tier(move.nodes)
         entries = [(n.id, n.value) for n in move.nodes]
         future = self.store.worker.submit(load_task, self.store, entries)
         t = Transfer(move, future, self.clock.now() + self.rates.load_seconds(tokens), req, tokens)

@@ -13,7 +13,7 @@ Public step-wise API (what `run()` and the server use; nothing else needs the in
   (changing nothing) when the queue head can never fit. `run()` is `while step(): pass`;
 - per request: `Request.sampling` (temperature, top_p, seed, stop token ids, max new tokens,
   ignore_eos) and `Request.on_token` (streaming; returns True to stop, e.g. at a stop string):
-  see `sampling.py`. `Request.finish_reason` says why it ended; `submit(req, prompt_ids)`
+  see `pbkv.engine.sampling`. `Request.finish_reason` says why it ended; `submit(req, prompt_ids)`
   gives explicit token ids instead of the trace mapping (`tokenize`);
 - `cancel(req)`: end a waiting, loading or running request now and free everything it holds;
 - `busy`, `queue_depth`, `running_count`, `requests`, `stats`: read-only views for metrics.
@@ -36,64 +36,48 @@ reach about twice the accounted device tokens.
 
 from __future__ import annotations
 
-import heapq
-import time
 from typing import Callable
 
-from pbkv.cache import Tier, TieredCache
+from pbkv.cache import TieredCache
+from pbkv.engine.base import EngineBase
 from pbkv.engine.hf.admit import CacheOps
 from pbkv.engine.hf.execute import ExecOps
 from pbkv.engine.hf.kvstore import KVStore
 from pbkv.engine.hf.model import LoadedModel
-from pbkv.engine.hf.sampling import CANCELLED, Sampling
 from pbkv.engine.hf.state import (LOAD_RULES, EngineError, EngineOptions, EngineStats, Output, Seq,  # noqa: F401
                                   Stuck)
 from pbkv.engine.hf.tokens import TokenMapper, block_hashes
 from pbkv.engine.hf.transfer import Rates, WallClock, Worker
 from pbkv.engine.request import Request
-from pbkv.policy import CallEvent, Policy
+from pbkv.engine.sampling import CANCELLED, Sampling
+from pbkv.policy import Policy
 from pbkv.trace import DEFAULT_AGENT, Call
 
 
-class HFEngine(ExecOps, CacheOps):
+class HFEngine(ExecOps, CacheOps, EngineBase):
     def __init__(self, lm: LoadedModel, cache: TieredCache, policy: Policy,
                  tokenize: Callable[[Call], list[int]] | None = None, clock=None, worker: Worker | None = None,
                  options: EngineOptions | None = None, disk_dir=None):
-        self.lm, self.cache, self.tree, self.policy = lm, cache, cache.tree, policy
-        self.opts = options or EngineOptions()
         self.clock = clock or WallClock()
+        super().__init__(cache, policy, EngineStats(), self.clock.now)
+        self.lm = lm
+        self.opts = options or EngineOptions()
         self.store = KVStore(lm.device, worker or Worker(), disk_dir)
         cache.storage = self.store
         self.tokenize = tokenize or TokenMapper(lm.vocab_size, self.tree.block_size, self.opts.seed).tokens
         self.rates = Rates(lm.kv_bytes_per_token)
-        self._stats = EngineStats()
-        self._waiting: list[Request] = []   # FCFS; includes requests whose prefix is loading
-        self._running: list[Seq] = []
-        self._events: list = []
-        self._seq = 0
+        self._running: list[Seq] = []   # decoding (`_waiting`, FCFS, also holds requests whose prefix loads)
         self._transfers: list = []
         self._inflight: dict = {}       # node id -> Transfer moving it up
         self._lost: set = set()         # nodes with unreadable data, dropped once unpinned
         self._waited: set = set()
         self._prompts: dict[int, list[int]] = {}   # id(request) -> explicit token ids, until it ends
-        policy.bind(cache, self.clock.now)
 
     # ------------------------------------------------------------------ driver API
 
     @property
     def now(self) -> float:
         return self.clock.now()
-
-    def at(self, when: float, fn) -> None:
-        self._seq += 1
-        heapq.heappush(self._events, (when, self._seq, fn))
-
-    def start_workflow(self, workflow: int, workflow_id: str) -> None:
-        self._timed(self.policy.on_workflow_start, workflow, workflow_id)
-
-    def end_workflow(self, workflow: int) -> None:
-        nodes = self.cache.end_workflow(workflow)
-        self._timed(self.policy.on_workflow_end, workflow, nodes)
 
     def submit(self, req: Request, prompt_ids: list[int] | None = None) -> None:
         """Queue `req` (FCFS). `prompt_ids`: its prompt's token ids (else `tokenize(req.call)`);
@@ -102,20 +86,18 @@ class HFEngine(ExecOps, CacheOps):
             raise EngineError(f"call {req.call.workflow_id} step {req.call.step} already finished")
         if prompt_ids is not None:
             self._prompts[id(req)] = list(prompt_ids)
-        req.arrival = self.clock.now()
-        node, _ = self.tree.match(req.call.hash_ids)
-        self._timed(self.policy.on_call_start, self._event(req, node))
-        self._waiting.append(req)
+        super().submit(req)
 
     def generate(self, token_ids: list[int], max_new_tokens: int, workflow: int | None = None,
                  agent: str = DEFAULT_AGENT, sampling: Sampling | None = None) -> Output:
         """Serve one prompt given as token ids to completion (no driver needed)."""
         if not token_ids:
             raise ValueError("empty prompt")
-        call = Call(f"generate-{self._seq}", 0, agent, len(token_ids), max_new_tokens,
+        n = self._events.scheduled
+        call = Call(f"generate-{n}", 0, agent, len(token_ids), max_new_tokens,
                     block_hashes(list(token_ids), self.tree.block_size))
         own = workflow is None
-        workflow = -1 - self._seq if own else workflow
+        workflow = -1 - n if own else workflow
         if own:
             self.start_workflow(workflow, call.workflow_id)
         req = Request(call=call, workflow=workflow, on_done=lambda r: None, sampling=sampling)
@@ -147,14 +129,10 @@ class HFEngine(ExecOps, CacheOps):
         elif self._transfers:
             self._poll_transfers(block=True)
         elif self._events:
-            self.clock.skip_to(self._events[0][0])
+            self.clock.skip_to(self._events.next_time())
         elif self._waiting:
             if not self._unpin_waiting():
-                req = self._waiting[0]
-                call = req.call
-                raise Stuck(f"stuck: call {call.workflow_id} step {call.step} needs "
-                            f"{call.input_length + self._limit(req)} device tokens; capacity "
-                            f"{self.cache.capacity.device}, evictable {self.cache.evictable(Tier.DEVICE)}", req)
+                raise Stuck(self._stuck_message(self._waiting[0]), self._waiting[0])
         else:
             return False
         return True
@@ -198,25 +176,3 @@ class HFEngine(ExecOps, CacheOps):
     def requests(self) -> tuple[Request, ...]:
         """Every request the engine holds: waiting (FCFS order), then running."""
         return tuple(self._waiting) + tuple(s.req for s in self._running)
-
-    @property
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    # ------------------------------------------------------------------ helpers
-
-    def _fire_events(self) -> None:
-        while self._events and self._events[0][0] <= self.clock.now():
-            heapq.heappop(self._events)[2]()
-
-    def _timed(self, hook, *args):
-        start = time.perf_counter()
-        out = hook(*args)
-        self.stats.policy_calls += 1
-        self.stats.policy_seconds += time.perf_counter() - start
-        return out
-
-    def _event(self, req: Request, node) -> CallEvent:
-        call, out = req.call, req.result
-        return CallEvent(req.workflow, call.agent, call.step, call, node or self.tree.root, self.clock.now(),
-                         hidden=out.hidden if isinstance(out, Output) else None)

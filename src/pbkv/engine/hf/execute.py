@@ -1,8 +1,8 @@
 """The real engine's compute side: prefill one admitted request, decode one step, end a request.
 
 Mixed into `HFEngine` (engine.py), which holds `lm`, `cache`, `tree`, `store`, `policy`,
-`rates`, `clock`, `opts`, `stats`, `_waiting`, `_running` and `_prompts`. Everything runs on
-the engine's thread.
+`rates`, `clock`, `opts`, `stats`, `_waiting`, `_running` and `_prompts` (`_timed` and `_event`:
+`pbkv.engine.base.EngineBase`). Everything runs on the engine's thread.
 
 Invariants:
 - a request is in exactly one of: the waiting list, the running list (as a `Seq`), finished
@@ -24,9 +24,10 @@ import torch
 
 from pbkv.engine.hf.admit import ADMITTED, BLOCKED, Admission
 from pbkv.engine.hf.model import cache_to_kv, forward, make_cache
-from pbkv.engine.hf.sampling import DEFAULT, LENGTH, STOP, sample
+from pbkv.engine.hf.sampling import sample
 from pbkv.engine.hf.state import EngineError, Output, Seq
 from pbkv.engine.request import Request
+from pbkv.engine.sampling import DEFAULT, LENGTH, STOP
 
 
 class ExecOps:

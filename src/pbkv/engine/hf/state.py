@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pbkv.engine import base
 from pbkv.engine.request import Request
 
 LOAD_RULES = ("auto", "load", "recompute")
@@ -42,19 +43,14 @@ class EngineOptions:
 
 
 @dataclass
-class EngineStats:
-    prefills: int = 0
-    prefill_seconds: float = 0.0
+class EngineStats(base.EngineStats):
+    """The shared counters (`pbkv.engine.base.EngineStats`) plus the real engine's own."""
+
     computed_tokens: int = 0                 # prompt tokens run through the model in prefill
-    decode_steps: int = 0
-    decode_seconds: float = 0.0
     loaded_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])   # by source tier
-    prefetched_tokens: int = 0
     load_waits: int = 0                      # requests that waited for a prefix already in flight
     recompute_instead_of_load: int = 0       # requests that recomputed a host/disk prefix
     failed_loads: int = 0                    # loads refused (corrupt or missing disk data)
-    policy_calls: int = 0
-    policy_seconds: float = 0.0
 
 
 @dataclass
@@ -70,7 +66,7 @@ class Output:
 @dataclass(eq=False)
 class Seq:
     """A running request's decode state: its private KV working copy and its resolved sampling
-    (sampling.py). Lives in the engine's running list from its first token until it finishes."""
+    (`pbkv.engine.sampling`). Lives in the engine's running list from its first token until it finishes."""
 
     req: Request
     cache: object
