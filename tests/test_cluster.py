@@ -75,3 +75,19 @@ def test_bench_cli_router_errors(tmp_path):
     assert r.exit_code == 2 and "unknown link 'carrier-pigeon'" in r.output
     r = CliRunner().invoke(app, ["bench", "--instances", "2", "--engine", "hf", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--engine sim" in r.output
+
+
+def test_a_shared_tier_lets_any_instance_reuse_what_another_computed():
+    wl = load_workload(WL)
+    plain = simulate_cluster(wl, cfg(), 4, "round-robin", get_link("pcie4"))
+    shared = simulate_cluster(wl, cfg(), 4, "round-robin", get_link("pcie4"), shared_tokens=10**6,
+                              shared_link=get_link("nvme"))
+    assert shared["shared_tier_reads"] > 0 and shared["bytes_from_shared_tier"] > 0
+    assert shared["bytes_to_shared_tier"] > 0 and shared["shared_tier_tokens"] == 10**6
+    assert shared["recomputed_tokens"] < plain["recomputed_tokens"]
+    assert "shared_tier_reads" not in plain
+
+
+def test_bench_cli_shared_tier_needs_instances(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--shared-tokens", "1000", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--shared-tokens needs --instances" in r.output
