@@ -147,3 +147,18 @@ def test_end_workflow_clears_tags_and_marks_retired():
     assert {n.id for n in nodes} == {shared.id, mine.id}
     assert mine.retired and not shared.retired
     assert shared.agent_mask == 0b11 and shared.seen_workflows == 2
+
+
+def test_next_victim_is_what_evict_takes_first_and_changes_nothing():
+    cache, _ = make_cache(40, 40)
+    put(cache, "Pa", 1.0)
+    put(cache, "Qb", 2.0)
+    assert cache.next_victim(Tier.HOST) is None
+    first = cache.next_victim(Tier.DEVICE)
+    assert first is cache.tree.match(ids("Pa"))[0]            # LRU: the older one
+    assert cache.next_victim(Tier.DEVICE) is first            # peeking removes nothing
+    evicted = []
+    cache.rules.on_evict = lambda node, src, dst: evicted.append(node)
+    cache.evict(Tier.DEVICE, 1)
+    assert evicted == [first] and cache.next_victim(Tier.HOST) is first
+    cache.check()

@@ -72,7 +72,7 @@ def test_predictions_are_batched_unless_they_must_be_live(monkeypatch):
     monkeypatch.setattr(cached, "CachedPredictor", lambda p, workflows: ("batched", p, workflows))
     trained = object()
     for options, batched in (({}, True), ({"online_learner": object()}, False), ({"live_predictions": True}, False)):
-        cfg = RunConfig("lru", 1, PROFILE, options=options, predictors={"v": trained})
+        cfg = RunConfig("lru", 1, PROFILE, **options, predictors={"v": trained})
         got = policy_predictors(wl, cfg)["v"]
         assert got == ("batched", trained, wl.workflows) if batched else got is trained
 

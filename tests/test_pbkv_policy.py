@@ -52,7 +52,11 @@ def test_scores_by_hand_on_two_workflows():
     assert score["S"] == pytest.approx(0.825 + 0.425 + 0.25 + 0.5)
     # "Sa" (shared by Sa1 and Sa2) is common too: total for agent a = .825 + .25
     assert pol.scores.score(cache.tree.match(ids("Sa"))[0]) == pytest.approx(1.075)
-    assert eviction_order(cache) == labels("Sa2", "Sb1", "Sa1", "Sa", "S")
+    # The order is by predicted next use (next_use.py), not by score: w1's b call arrived on
+    # the path "S" that w1's a call had used, so b's calls read a's cache too. Sa2 is then read
+    # by w2's next call (b, alive .5) or the one after (a), Sb1 only when w1 calls b (.2 next,
+    # .45 after): Sb1 is the farthest. (With the score alone, Sa2 went first.)
+    assert eviction_order(cache) == labels("Sb1", "Sa2", "Sa1", "Sa", "S")
 
 
 def test_one_step_value():

@@ -16,6 +16,7 @@ from pbkv.predict import (UNK, MarkovPredictor, Prediction, PredictorLoadError, 
                           fit_markov, load_predictor, save_predictor, split_by_task, train_predictor)
 from pbkv.predict.evaluate import ece
 from pbkv.predict.features import FeatureConfig, text_features
+from pbkv.predict.store import live_dir
 from pbkv.trace import Call, Trace, TraceMeta, write_trace
 
 runner = CliRunner()
@@ -124,8 +125,10 @@ def test_context_word_is_learned_and_beats_markov_and_history_only(fused):
 
 def test_save_load_round_trip_is_identical_and_pickle_free(fused, tmp_path):
     save_predictor(fused, tmp_path / "m")
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["config.json", "markov.json", "model.safetensors"]
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["CURRENT", "v000001"]
+    live = live_dir(tmp_path / "m")
+    assert sorted(p.name for p in live.iterdir()) == ["config.json", "markov.json", "model.safetensors"]
+    config = json.loads((live / "config.json").read_text())
     assert config["agents"] == fused.agents and config["horizon"] == 3 and config["variant"] == "fused"
     loaded = load_predictor(tmp_path / "m")
     for a, b in zip(fused.predict_batch(ODD_INPUTS), loaded.predict_batch(ODD_INPUTS)):
@@ -137,15 +140,18 @@ def test_load_errors_name_the_path_and_problem(fused, tmp_path):
     with pytest.raises(PredictorLoadError, match="no such predictor directory"):
         load_predictor(tmp_path / "missing")
     d = save_predictor(fused, tmp_path / "bad")
-    (d / "config.json").write_text("{not json")
+    (live_dir(d) / "config.json").write_text("{not json")
     with pytest.raises(PredictorLoadError, match="config.json"):
         load_predictor(d)
     d = save_predictor(fused, tmp_path / "bad2")
-    (d / "model.safetensors").write_bytes(b"garbage")
+    (live_dir(d) / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(PredictorLoadError, match="model.safetensors"):
         load_predictor(d)
-    (d / "model.safetensors").unlink()
+    (live_dir(d) / "model.safetensors").unlink()
     with pytest.raises(PredictorLoadError, match="missing"):
+        load_predictor(d)
+    (d / "CURRENT").write_text("../../etc\n")
+    with pytest.raises(PredictorLoadError, match="version pointer"):
         load_predictor(d)
 
 
@@ -288,4 +294,4 @@ def test_cli_bad_inputs_exit_2(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"workflow_id": "w"}\n')
     r = invoke("train", "--trace", bad, "-o", tmp_path / "m")
-    assert r.exit_code == 2 and "bad.jsonl:1" in r.output
+    assert r.exit_code == 1 and "bad.jsonl:1" in r.output

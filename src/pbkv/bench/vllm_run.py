@@ -53,7 +53,25 @@ class VLLMConfig:
 
 
 def default_model() -> str:
-    return str(Path(os.environ.get("PBKV_CACHE", Path.home() / ".cache" / "pbkv")) / "smollm2-135m-instruct")
+    from pbkv.engine.hf.model import smollm2_dir
+    return str(smollm2_dir())
+
+
+def resolve_model(model: str | None) -> str:
+    """The HF model folder vLLM loads: `model`, or pbkv's converted SmolLM2, converted here
+    first when it never was (vLLM cannot read the GGUF original). `VLLMRunError` says what to run."""
+    if model is not None:
+        if not (Path(model) / "config.json").is_file():
+            raise VLLMRunError(f"--model {model}: not a model directory with a config.json")
+        return model
+    from pbkv.engine.hf.model import ModelLoadError, converted_smollm2
+    try:
+        return str(converted_smollm2())
+    except ModelLoadError as e:
+        raise VLLMRunError(f"--engine vllm runs SmolLM2-135M-Instruct from {default_model()}, which was never "
+                           f"converted, and converting it here failed: {e}. Install what it names, or run "
+                           f"`pbkv bench --engine hf --model smollm2` once (it converts the model), or pass "
+                           f"--model DIR with a Hugging Face model folder.") from None
 
 
 def find_python(python: str | None) -> str:
@@ -72,9 +90,10 @@ def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig,
     from pbkv.trace import write_trace
 
     python = find_python(cfg.python)
+    model = resolve_model(cfg.model)
     with tempfile.TemporaryDirectory(prefix="pbkv-vllm-") as tmp:
         trace = write_trace(scale_trace(workload.trace, cfg.scale, cfg.output_scale), Path(tmp) / "trace.jsonl")
-        job = dict(asdict(cfg), model=cfg.model or default_model(), trace=str(trace), policy=policy,
+        job = dict(asdict(cfg), model=model, trace=str(trace), policy=policy,
                    concurrency=concurrency, predictor_dir=predictor_dir, stats=str(Path(tmp) / "stats.json"))
         raw = run_worker(python, job)
     return to_record(raw, job, workload.name)

@@ -36,6 +36,16 @@ class EvictIndex:
                 return node
         return None
 
+    def peek(self, is_candidate: Callable[[Node], bool]) -> Node | None:
+        """The best valid candidate, left in place (stale entries on top are discarded)."""
+        heap = self.heap
+        while heap:
+            _, _, version, node = heap[0]
+            if version == node.version and is_candidate(node):
+                return node
+            heapq.heappop(heap)
+        return None
+
     def peek_all(self, is_candidate: Callable[[Node], bool]) -> list[Node]:
         """All valid candidates in eviction order (for tests and prefetch planning; O(n log n))."""
         entries = sorted(e for e in self.heap if e[2] == e[3].version and is_candidate(e[3]))

@@ -121,6 +121,11 @@ class TieredCache:
         return (node.alive and node.tier == tier and node.lock == 0
                 and node.same_tier_children == 0)
 
+    def next_victim(self, tier: Tier) -> Node | None:
+        """The node `evict(tier, ...)` would take first now, or None (an admission check:
+        is a node worth more than what writing it into `tier` would push out?)."""
+        return self.index[tier].peek(lambda n: self.is_candidate(n, tier))
+
     def candidates(self, tier: Tier) -> list[Node]:
         """Current eviction order of `tier` (slow: for tests, prefetch planning and reports)."""
         return self.index[tier].peek_all(lambda n: self.is_candidate(n, tier))
@@ -241,7 +246,9 @@ class TieredCache:
     @staticmethod
     def below_device(node: Node) -> list[Node]:
         """The path segment that is not on the device, root side first: what loading `node`
-        onto the device moves (empty when `node` is on the device)."""
+        onto the device moves (empty when `node` is on the device). `node` must be in the tree."""
+        if not node.alive:
+            raise TreeError(f"{node} is not in the tree (dropped): it has no path to load")
         segment = []
         while node.tier != Tier.DEVICE:
             segment.append(node)

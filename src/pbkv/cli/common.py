@@ -15,6 +15,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from pbkv.trace import TraceError
 
 # Tables need ~110 columns; a narrower (or piped) output still gets them whole.
 console = Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
@@ -90,22 +91,26 @@ def split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
-def fail(message: str) -> NoReturn:
-    """Print `error: message` (taken literally, not as rich markup) and exit 2."""
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print `error: message` (taken literally, not as rich markup) and exit with `code`:
+    2 for a bad command line or setup, 1 for bad input data (a malformed trace)."""
     console.print(f"[red]error:[/red] {escape(message)}")
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 @contextmanager
 def exit_on_error():
-    """The one place where known errors become `error: ...` and exit 2: bad values, unreadable
-    files, traces, policies and predictors (ValueError, OSError), a model that cannot load, a
-    stuck engine, a failed vLLM worker. Anything else is a bug and keeps its traceback."""
+    """The one place where known errors become a one-line `error: ...`: a malformed trace exits 1
+    (TraceError, FILE:LINE in the message); bad values, unreadable files, policies and predictors
+    (ValueError, OSError), a model that cannot load, a stuck engine or a failed vLLM worker exit 2.
+    Anything else is a bug and keeps its traceback."""
     try:
         yield
     except (typer.Exit, typer.Abort):
         raise
-    except (ValueError, OSError) as e:  # TraceError, UnknownPolicy, PredictorLoadError are ValueErrors
+    except TraceError as e:  # the input file is bad, not the command line: exit 1, FILE:LINE in the message
+        fail(str(e), code=1)
+    except (ValueError, OSError) as e:  # UnknownPolicy, PredictorLoadError are ValueErrors
         fail(str(e))
     except RuntimeError as e:
         from pbkv.bench.vllm_run import VLLMRunError

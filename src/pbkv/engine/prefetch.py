@@ -11,8 +11,14 @@ def prepare_prefetches(cache: TieredCache, wanted: list[Node], budget: int, allo
                        busy: Callable[[Node], bool]) -> Iterator[tuple[Move, int]]:
     """Yield (prepared move, tokens) for each wanted node whose off-device segment fits what is
     left of `budget` and has no node locked or `busy` (in flight, lost); the caller starts each
-    transfer. Nodes that cannot get room are skipped; the budget only pays for prepared moves."""
+    transfer. Nodes that cannot get room are skipped; the budget only pays for prepared moves.
+
+    `wanted` was planned before any move: making room for one move may demote or drop a later
+    wanted node (a dropped node's path no longer reaches the root), so each node is re-checked
+    here, when its turn comes, and a dropped one is skipped."""
     for node in wanted:
+        if not node.alive:
+            continue
         segment = cache.below_device(node)
         tokens = sum(n.tokens for n in segment)
         if not segment or tokens > budget or any(n.lock or busy(n) for n in segment):

@@ -20,8 +20,9 @@ def plan(candidates: list[tuple[float, Node]], budget_tokens: int, space_tokens:
     limit = min(budget_tokens, space_tokens)
     chosen: list[Node] = []
     taken: set[int] = set()
-    for value, node in sorted(candidates, key=lambda vn: (-vn[0], -vn[1].start, vn[1].id)):
-        if value < min_value or limit <= 0:
+    worth = [vn for vn in candidates if vn[0] >= min_value]
+    for value, node in sorted(worth, key=lambda vn: (-vn[0], -vn[1].start, vn[1].id)):
+        if limit <= 0:
             break
         if node.lock or node.tier == Tier.DEVICE:
             continue

@@ -1,18 +1,28 @@
-"""PBKV: prediction-based eviction and prefetch, used conservatively, with a feedback loop.
+"""PBKV: prediction-based eviction, admission and prefetch, used conservatively, with feedback.
 
-Eviction order on the device (the cache never evicts a locked node):
+Eviction order, the same on the device, on host and on disk (the cache never evicts a locked
+node):
   1. retired nodes (cache private to workflows that all ended), LRU among them;
-  2. active nodes by ascending reuse score (`reuse_score.py`), ties by LRU.
-Below the device, retired nodes go first too, then LRU. Retired nodes are written down a tier
-like any other (not dropped): "retired" is a guess from the tags (an agent's prompt seen by a
-single finished workflow looks retired), and a wrong guess must cost a load, not a recompute.
-Prefetch: `conservative_prefetch.py`. Predictions are refreshed at every call.
+  2. predicted-dead nodes: no active workflow is predicted to read them within the horizon
+     (reuse probability < DEAD_P), LRU among them;
+  3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
+     predictions: expected next-use time, in seconds, from the K-step agent distributions,
+     survival, and per-agent call durations and tool waits learned online), ties by LRU.
+Admission (`keep_on_evict`): an evicted node fills free space in the tier below; when that
+tier is full it goes there only if it outranks the tier's next victim (else the write would
+evict something worth more), so retired and predicted-dead nodes never displace anything.
+Why one rule at every tier: with a host tier under pressure, what the host keeps and drops
+decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
+Prefetch: `conservative_prefetch.py`, ranked by the one-step reuse value (`reuse_score.py`).
+Predictions are refreshed at every call.
 
 Feedback (`pbkv.predict.monitor`): the predictor's next-event accuracy is compared online with a
-Markov baseline learned from the same stream. As trust falls, scores are quantised ever more
-coarsely, so more nodes tie and LRU decides: at trust 0 the order is plain LRU (after retired)
+Markov baseline learned from the same stream. As trust falls, next-use times are quantised ever
+more coarsely, so more nodes tie and LRU decides; below DEAD_MIN_LEVEL no node is called dead;
+at trust 0 the order is plain LRU (after retired), every evicted node is written down a tier
 and prefetch stops. When retired cache turns out to be reused by new workflows, retired-first
-is switched off. With an online learner, finished workflows retrain the predictor.
+(and dropping retired nodes) is switched off. With an online learner, finished workflows
+retrain the predictor.
 
 Context signal: with a predictor that reads the serving model's hidden state (its config has
 `context_dim > 0`), a real engine's `on_prefill` event (the hidden state at the call's last
@@ -29,11 +39,17 @@ from __future__ import annotations
 from pbkv.cache import Node, Tier
 from pbkv.policy import conservative_prefetch
 from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
+import math
+
+from pbkv.policy.next_use import NextUse
 from pbkv.policy.reuse_score import ReuseScores
 from pbkv.predict.monitor import END, QualityMonitor
 
 TRUST_STEPS = 10          # trust is acted on in tenths
 PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
+DEAD_P = 0.05             # reuse probability within the horizon below which a node is "dead"
+DEAD_MIN_LEVEL = 5        # below this trust level no node is called dead (LRU decides)
+FINE_BUCKETS = 64         # at full trust, next-use times are compared to 1/64 of a mean step
 
 
 class PBKVPolicy(Policy):
@@ -54,11 +70,15 @@ class PBKVPolicy(Policy):
         if self.predictor is not None and horizon > self.predictor.horizon:
             raise ValueError(f"--horizon {horizon} exceeds the predictor's horizon {self.predictor.horizon}")
         self.scores = ReuseScores(gamma=float(ctx.gamma), horizon=horizon)
+        self.next_use = NextUse(self.scores, horizon)
+        self.bucket = None        # seconds per next-use bucket (None: exact), set with the level
         self.monitor = QualityMonitor()
         self.learner = ctx.online_learner
         self.history: dict[int, list[str]] = {}
         self.contexts: dict[int, list[str | None]] = {}
         self.hiddens: dict[int, object] = {}      # workflow -> hidden state of its latest prefill
+        self.predictions: dict = {}               # workflow -> its latest Prediction
+        self.version: dict[int, int] = {}         # workflow -> count of its predictions
         cfg = getattr(self.predictor, "cfg", None) or getattr(getattr(self.predictor, "inner", None), "cfg", None)
         self.reads_hidden = bool(cfg is not None and cfg.uses_context and cfg.context_dim > 0)
         self.expected: dict[int, tuple[str, dict[str, float]]] = {}  # workflow -> (agent, next event)
@@ -76,13 +96,26 @@ class PBKVPolicy(Policy):
     def priority(self, node: Node) -> tuple:
         if self._retired(node):
             return (0, 0, node.last_access)
-        if node.tier != Tier.DEVICE:
-            return (1, 0, node.last_access)
         if not self.use_scores or self.level == 0:
             return (1, 0, node.last_access)
-        score = self.scores.score(node)
-        levels = 2 ** (2 * self.level)  # trust 1: ~1M levels (exact order); 0: one level (LRU)
-        return (1, int(score / (1.0 + score) * levels), node.last_access)
+        when, p = self.next_use.of(node)
+        if p < DEAD_P and self.level >= DEAD_MIN_LEVEL:
+            return (1, 0, node.last_access)
+        if self.bucket is not None and when != math.inf:
+            when = math.floor(when / self.bucket)
+        return (2, -when, node.last_access)
+
+    def keep_on_evict(self, node: Node) -> bool:
+        """Write `node` down a tier into free space, or over the tier's next victim when it
+        outranks it: a retired or predicted-dead node never displaces a live one (free space
+        costs nothing to fill, and a wrong "dead" guess then costs a load, not a recompute)."""
+        if not self.use_scores or self.level == 0:
+            return True
+        below = Tier(node.tier + 1)
+        if self.cache.free(below) >= node.tokens:
+            return True
+        victim = self.cache.next_victim(below)
+        return victim is None or self.priority(node) > self.priority(victim)
 
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
@@ -103,17 +136,32 @@ class PBKVPolicy(Policy):
         w, agent = event.workflow, event.agent
         self._observe(w, agent)
         self._observe_match(event.node)
+        self.next_use.timing.call_start(w, agent, event.now)
+        self.next_use.observe_read(w, agent, event.node)
         self.history[w].append(agent)
         self.contexts[w].append(event.call.context if event.call is not None else None)
-        self._predict(w, agent, self.hiddens.get(w))
+        self._predict(w, agent, self.hiddens.get(w), event.now)
+
+    def on_call_end(self, event: CallEvent) -> None:
+        """The call has read its cache: its agent's next use is now the predicted one."""
+        w = event.workflow
+        self.next_use.timing.call_end(w, event.agent, event.now)
+        pred = self.predictions.get(w)
+        if pred is None:
+            return
+        moved = self.next_use.update(w, event.agent, event.now, pred.probs, pred.survival, pending=False)
+        # Only the ended call's agent moved much (from "now" to its predicted next call); the
+        # other agents' times shift by under a call, not worth re-ranking (policy time).
+        current = [c for c in moved if c == self.scores.class_of(event.agent)]
+        self._rerank(w, current, only=self.scores.agent_bits_of(current))
 
     def on_prefill(self, event: CallEvent) -> None:
         if not self.reads_hidden or event.hidden is None or event.workflow not in self.history:
             return
         self.hiddens[event.workflow] = event.hidden
-        self._predict(event.workflow, event.agent, event.hidden)
+        self._predict(event.workflow, event.agent, event.hidden, event.now)
 
-    def _predict(self, w: int, agent: str, hidden) -> None:
+    def _predict(self, w: int, agent: str, hidden, now: float) -> None:
         if self.predictor is None:
             return
         if self.reads_hidden and hidden is not None:
@@ -121,6 +169,10 @@ class PBKVPolicy(Policy):
         else:
             pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
+        self.predictions[w] = pred
+        self.version[w] = self.version.get(w, 0) + 1
+        moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival,
+                                                             pending=True)))
         s1 = float(pred.survival[0])
         nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
         nxt[END] = 1.0 - s1
@@ -130,12 +182,14 @@ class PBKVPolicy(Policy):
     def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
         self._observe(workflow, END)
         self.expected.pop(workflow, None)
-        moved = self.scores.remove(workflow)
+        moved = sorted(set(self.scores.remove(workflow)) | set(self.next_use.remove(workflow)))
         if self.learner is not None:
             self._learn(workflow)
         self.history.pop(workflow, None)
         self.contexts.pop(workflow, None)
         self.hiddens.pop(workflow, None)
+        self.predictions.pop(workflow, None)
+        self.version.pop(workflow, None)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
                 self.retired[node.id] = node
@@ -153,8 +207,20 @@ class PBKVPolicy(Policy):
             if not node.alive or node.tier == Tier.DEVICE:
                 del self.offloaded[node_id]
             elif node.wf_agents or self.scores.is_common(node):
-                candidates.append((self.scores.one_step(node), node))
+                candidates.append((self._one_step(node), node))
         return conservative_prefetch.plan(candidates, request.budget_tokens, space)
+
+    def _one_step(self, node: Node) -> float:
+        """`scores.one_step`, memoised on a private node until its workflow's next prediction
+        (prefetch scans every offloaded node at every decode-only batch: policy time)."""
+        if len(node.wf_agents) != 1 or self.scores.is_common(node):
+            return self.scores.one_step(node)
+        (w, mask), = node.wf_agents.items()
+        stamp = (w, mask, self.version.get(w))
+        memo = node.policy_data
+        if memo is None or memo[0] != stamp:
+            memo = node.policy_data = (stamp, self.scores.one_step(node))
+        return memo[1]
 
     # ---------------------------------------------------------------- feedback
 
@@ -179,8 +245,11 @@ class PBKVPolicy(Policy):
         level = round(self.monitor.trust * TRUST_STEPS)
         if level != self.level:
             self.level = level
-            for node in self.cache.candidates(Tier.DEVICE):
-                self.cache.refresh(node)
+            fine = self.next_use.timing.step / FINE_BUCKETS
+            self.bucket = None if level == TRUST_STEPS else fine * 2 ** (TRUST_STEPS - level)
+            for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+                for node in self.cache.candidates(tier):
+                    self.cache.refresh(node)
 
     def _learn(self, workflow: int) -> None:
         self.learner.add(self.history[workflow], self.contexts[workflow])
@@ -199,13 +268,14 @@ class PBKVPolicy(Policy):
                 del self.retired[node_id]
         return total
 
-    def _rerank(self, workflow: int | None, moved_classes: list[int]) -> None:
-        """New predictions change the scores of the workflow's nodes and of common nodes
-        whose agents' totals moved; re-rank those that are eviction candidates."""
+    def _rerank(self, workflow: int | None, moved_classes: list[int], only: int = -1) -> None:
+        """New predictions change the scores of the workflow's nodes (those it used for an
+        agent in the `only` bit mask) and of common nodes whose agents' totals moved; re-rank
+        those that are eviction candidates."""
         cache = self.cache
-        if workflow is not None:
+        if workflow is not None and only:
             for node in cache.tree.workflow_nodes.get(workflow, {}).values():
-                if node.alive:
+                if node.alive and node.wf_agents.get(workflow, -1) & only:
                     cache.refresh(node)
         if moved_classes:
             mask = self.scores.agent_bits_of(moved_classes)

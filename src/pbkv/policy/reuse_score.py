@@ -47,6 +47,7 @@ class ReuseScores:
         self.classes: list[str] = []             # agent classes of the predictor, "<unk>" last
         self.workflows_seen = 0
         self._class_of_bit: list[int] = []       # tree agent bit -> class index
+        self._mask_classes: dict[int, frozenset[int]] = {}   # agent mask -> classes (memo)
         self.agent_ids: dict[str, int] = {}      # the tree's agent numbering (shared object)
 
     def bind(self, agent_ids: dict[str, int]) -> None:
@@ -102,6 +103,13 @@ class ReuseScores:
             self.total_v1[a] -= v1[a]
         return [a for a in range(len(q)) if q[a] > 0.01 * max(1.0, abs(self.total_q[a]))]
 
+    def class_of(self, agent: str) -> int:
+        """The predictor's class index of `agent` (unknown agents: the last class, UNK)."""
+        try:
+            return self.classes.index(agent)
+        except ValueError:
+            return len(self.classes) - 1
+
     def agent_bits_of(self, classes: list[int]) -> int:
         """Mask of the tree agent bits that map to any of `classes`."""
         self._extend_bits()
@@ -123,12 +131,17 @@ class ReuseScores:
                 score += sum(values[c] for c in self._classes_in(mask))
         return score
 
-    def _classes_in(self, mask: int) -> set[int]:
-        cob = self._class_of_bit
-        return {cob[b] for b in bits(mask)}
+    def _classes_in(self, mask: int) -> frozenset[int]:
+        """The agent classes of a tree agent mask (memoised: masks repeat across nodes)."""
+        found = self._mask_classes.get(mask)
+        if found is None:
+            cob = self._class_of_bit
+            found = self._mask_classes[mask] = frozenset(cob[b] for b in bits(mask))
+        return found
 
     def _extend_bits(self) -> None:
         if len(self._class_of_bit) < len(self.agent_ids):
+            self._mask_classes = {}
             index = {name: i for i, name in enumerate(self.classes)}
             unknown = len(self.classes) - 1
             by_bit = sorted(self.agent_ids.items(), key=lambda kv: kv[1])
@@ -147,3 +160,4 @@ class ReuseScores:
         self.total_q = [sum(v[a] for v in self.q.values()) for a in range(len(classes))]
         self.total_v1 = [sum(v[a] for v in self.v1.values()) for a in range(len(classes))]
         self._class_of_bit = []
+        self._mask_classes = {}

@@ -16,11 +16,12 @@ from pbkv.predict.base import END, UNK, Prediction, Predictor, check_prediction
 from pbkv.predict.evaluate import evaluate
 from pbkv.trace.transform import split_by_task
 from pbkv.predict.markov import MarkovPredictor, fit_markov
+from pbkv.predict.store import has_predictor
 
 _LAZY = {"NeuralPredictor": "predictor", "PredictorLoadError": "predictor", "save_predictor": "predictor",
          "load_predictor": "predictor", "train_predictor": "train"}  # these load torch
 __all__ = ["Prediction", "Predictor", "UNK", "END", "check_prediction", "evaluate", "split_by_task",
-           "MarkovPredictor", "fit_markov", *_LAZY]
+           "MarkovPredictor", "fit_markov", "has_predictor", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -59,6 +59,7 @@ class QualityMonitor:
         self.retired: deque[bool] = deque(maxlen=retired_window)
         self.retired_threshold = retired_threshold
         self.total = 0
+        self._means: dict[tuple[int, int], float] = {}
 
     def record(self, current: str, predicted: dict[str, float], actual: str) -> None:
         """`predicted`: the predictor's next-event distribution (agents and END) made at the
@@ -77,7 +78,13 @@ class QualityMonitor:
     # ------------------------------------------------------------------ readings
 
     def _mean(self, column: int) -> float:
-        return sum(o[column] for o in self.outcomes) / max(1, len(self.outcomes))
+        """Mean of one column over the window (memoised until the next outcome)."""
+        key = (self.total, column)
+        if key not in self._means:
+            if len(self._means) > 8:
+                self._means.clear()
+            self._means[key] = sum(o[column] for o in self.outcomes) / max(1, len(self.outcomes))
+        return self._means[key]
 
     @property
     def accuracy(self) -> float:

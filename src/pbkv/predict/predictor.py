@@ -1,6 +1,7 @@
 """`NeuralPredictor`: the trained network behind the `Predictor` interface, plus save/load.
 
-A saved predictor is a directory with exactly these files (no pickle anywhere):
+A saved predictor is a directory holding one complete version of these files (no pickle
+anywhere), saved atomically by `pbkv.predict.store` (`DIR/CURRENT` names the live `DIR/vNNNNNN/`):
 - `model.safetensors`: every weight and the graph buffers;
 - `config.json`: format and version, known agents, model dims and variant, feature/hashing
   parameters, the fitted temperatures, training info;
@@ -18,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from pbkv.predict import store
 from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
 from pbkv.predict.features import WORD, Featurizer
 from pbkv.predict.markov import MarkovPredictor
@@ -102,11 +104,16 @@ class NeuralPredictor:
 
 
 def save_predictor(p: NeuralPredictor, path: str | Path) -> Path:
-    """Write `p` as a directory (created if needed); returns the path."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    """Write `p` as a new version of the directory `path` (created if needed) and make it live
+    atomically: a reader, or a writer killed at any point, sees the old predictor or the new one,
+    each complete. Returns `path`."""
+    return store.publish(path, lambda folder: _write_files(p, folder))
+
+
+def _write_files(p: NeuralPredictor, path: Path) -> None:
     state = {k: v.detach().contiguous().clone() for k, v in p.net.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": FORMAT, "version": str(VERSION)})
+    store.on_step("model.safetensors")
     f = p.cfg.features
     config = {
         "format": FORMAT, "version": VERSION, "agents": p.agents, "horizon": p.horizon,
@@ -117,9 +124,11 @@ def save_predictor(p: NeuralPredictor, path: str | Path) -> Path:
         "info": p.info,
     }
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    store.on_step("config.json")
     if p.markov is not None:
         p.markov.save(path / "markov.json")
-    return path
+        store.on_step("markov.json")
+
 
 
 def load_predictor(path: str | Path) -> NeuralPredictor:
@@ -127,6 +136,10 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
     path = Path(path)
     if not path.is_dir():
         raise PredictorLoadError(f"{path}: no such predictor directory")
+    try:
+        path = store.live_dir(path)  # resolved once: every file below comes from one version
+    except (OSError, ValueError) as e:
+        raise PredictorLoadError(f"{path}: unreadable version pointer ({e})") from None
     cfg_path, w_path = path / "config.json", path / "model.safetensors"
     for p in (cfg_path, w_path):
         if not p.is_file():

@@ -8,7 +8,7 @@
   to `TrafficLearner` (retrains in a child process, serving never waits) and swaps in the new
   predictor when it is ready (`PBKVPolicy._learn`);
 - on shutdown the newest neural predictor is saved back to `--predictor` (after a last retrain
-  on workflows not yet learned from), each file replaced atomically.
+  on workflows not yet learned from) as a new version made live atomically.
 Policies that read a trace's future (the oracle) cannot serve: a server has no future.
 """
 
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import get_context
+from multiprocessing import Pipe, get_context
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ import numpy as np
 from pbkv.policy import PolicyContext
 from pbkv.policy.registry import make_policy, needed_predictor, needs_future
 from pbkv.predict.online import OnlineLearner
+from pbkv.predict.store import has_predictor
 from pbkv.serve.workflows import DEFAULT_AGENT
 
 log = logging.getLogger("pbkv.serve")
@@ -42,7 +43,7 @@ class PolicySetup:
     policy: object
     learner: object | None
     variant: str | None
-    model_dir: Path | None
+    predictor_dir: Path | None
     loaded: bool
 
 
@@ -63,6 +64,7 @@ class TrafficLearner(OnlineLearner):
     skipped = 0
     nice = DEFAULT_NICE
     _pool = None
+    _lifeline = None
 
     def add(self, agents: list[str], contexts: list[str | None]) -> None:
         if all(a == DEFAULT_AGENT for a in agents):
@@ -76,8 +78,7 @@ class TrafficLearner(OnlineLearner):
         from pbkv.predict.predictor import load_predictor
         start = time.perf_counter()
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_child_init,
-                                             initargs=(self.nice,))
+            self._pool, self._lifeline = start_pool(self.nice)
         with tempfile.TemporaryDirectory(prefix="pbkv-learn-") as folder:
             try:
                 self._pool.submit(_train_in_child, traces, self.variant, self.horizon, self.seed + self.retrains,
@@ -112,14 +113,44 @@ class TrafficLearner(OnlineLearner):
                 for proc in list(getattr(self._pool, "_processes", {}).values()):
                     proc.terminate()
             self._pool.shutdown(wait=True, cancel_futures=True)  # quick once killed; frees its locks
-            self._pool = None
+            self._lifeline.close()
+            self._pool = self._lifeline = None
 
 
-def _child_init(nice: int) -> None:
+def start_pool(nice: int):
+    """The one-process pool that runs retrains. Its process exits when this one dies, however it
+    dies (kill -9 included): it holds the read end of a pipe whose only write end stays here,
+    and a thread of the child waits on it; the kernel closes the write end when this process
+    ends, the read returns, and the child exits. (Linux's PR_SET_PDEATHSIG is not used: it fires
+    when the *thread* that spawned the child ends, and the pool spawns from a retrain thread.)
+    Returns (pool, lifeline): keep the lifeline (the write end) open as long as the pool."""
+    reader, writer = Pipe(duplex=False)
+    pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_child_init,
+                               initargs=(nice, reader, os.getpid()))
+    return pool, writer
+
+
+def _child_init(nice: int, lifeline, parent: int) -> None:
     try:
         os.nice(nice)
     except OSError:
         pass
+    threading.Thread(target=_exit_with_parent, args=(lifeline, parent), daemon=True,
+                     name="pbkv-parent-watch").start()
+
+
+def _exit_with_parent(lifeline, parent: int) -> None:
+    """Block until the parent's end of the pipe closes (or the parent PID goes), then exit now:
+    an orphaned retrain has nobody to report to and holds hundreds of MB."""
+    while True:
+        try:
+            if lifeline.poll(1.0):
+                lifeline.recv()  # nothing is ever sent: this raises EOFError once the parent is gone
+        except (EOFError, OSError):
+            break
+        if os.getppid() != parent:  # reparented: a fallback where the pipe is not closed
+            break
+    os._exit(1)
 
 
 def _train_in_child(traces, variant: str, horizon: int, seed: int, steps: int, folder: str) -> str:
@@ -134,7 +165,7 @@ def empty_markov(horizon: int):
     return MarkovPredictor([], np.zeros((2, 2)), horizon)
 
 
-def build_policy(name: str, block_size: int, model_dir: str | Path | None = None, online: bool = True,
+def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = None, online: bool = True,
                  learn_every: int = 50, horizon: int = 3, learn_steps: int = 300,
                  learn_nice: int = DEFAULT_NICE) -> PolicySetup:
     """Raises ValueError (unknown policy, a future-reading policy, an unreadable predictor)."""
@@ -142,13 +173,13 @@ def build_policy(name: str, block_size: int, model_dir: str | Path | None = None
         raise ValueError(f"policy {name!r} reads the future of a replayed trace; a server has none "
                          f"(use lru, kvflow or pbkv)")
     variant = needed_predictor(name)
-    model_dir = Path(model_dir) if model_dir else None
+    predictor_dir = Path(predictor_dir) if predictor_dir else None
     predictors, loaded = {}, False
     if variant is not None:
-        if model_dir is not None and (model_dir / "config.json").is_file():
+        if predictor_dir is not None and has_predictor(predictor_dir):
             from pbkv.predict.predictor import PredictorLoadError, load_predictor
             try:
-                predictors[variant] = load_predictor(model_dir)
+                predictors[variant] = load_predictor(predictor_dir)
             except PredictorLoadError as e:
                 raise ValueError(str(e)) from None
             loaded = True
@@ -161,7 +192,7 @@ def build_policy(name: str, block_size: int, model_dir: str | Path | None = None
                                  target_steps=learn_steps)
         learner.nice = learn_nice
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
-    return PolicySetup(policy, learner, variant, model_dir, loaded)
+    return PolicySetup(policy, learner, variant, predictor_dir, loaded)
 
 
 def finish_learning(setup: PolicySetup) -> Path | None:
@@ -169,29 +200,21 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     --predictor to save it to), save. The path saved to, or None (nothing to save)."""
     policy, learner = setup.policy, setup.learner
     if learner is not None:
-        newest = learner.finish(final_train=setup.model_dir is not None)
+        newest = learner.finish(final_train=setup.predictor_dir is not None)
         if newest is not None:
             policy.predictor = newest
-    if setup.model_dir is None:
+    if setup.predictor_dir is None:
         return None
     from pbkv.predict.predictor import NeuralPredictor
     predictor = getattr(policy, "predictor", None)
     if not isinstance(predictor, NeuralPredictor):
-        log.info("no trained predictor to save to %s (too few workflows ended)", setup.model_dir)
+        log.info("no trained predictor to save to %s (too few workflows ended)", setup.predictor_dir)
         return None
-    return save_atomic(predictor, setup.model_dir)
+    return save_atomic(predictor, setup.predictor_dir)
 
 
 def save_atomic(predictor, folder: Path) -> Path:
-    """Write into a sibling folder, then move each file over the old one (os.replace): a reader
-    sees each file whole, old or new, never half-written."""
+    """Save as a new version of `folder`, made live in one atomic step (`pbkv.predict.store`):
+    a reader, or a server killed mid-save, sees the old predictor or the new one, each whole."""
     from pbkv.predict.predictor import save_predictor
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    try:
-        save_predictor(predictor, tmp)
-        for f in tmp.iterdir():
-            os.replace(f, folder / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return save_predictor(predictor, folder)

@@ -15,14 +15,11 @@ from contextlib import contextmanager
 from typing import IO, Iterable, Iterator
 
 from pbkv.trace.call import DEFAULT_BLOCK_SIZE, Call, Trace, TraceMeta
+from pbkv.trace.lines import TraceError, display_name, read_lines
 
 CALL_FIELDS = ("workflow_id", "step", "agent", "workload", "t", "tool_wait", "input_length",
                "output_length", "hash_ids", "context", "done")
 META_FIELDS = ("block_size", "source", "license", "notes")
-
-
-class TraceError(ValueError):
-    """A trace violates trace format v1. The message names file, line, field and value."""
 
 
 @contextmanager
@@ -38,7 +35,11 @@ def _open(path: Path, mode: str) -> Iterator[IO[str]]:
 
 
 def _show(value) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    """A short, printable (ASCII-safe) rendering of a value for an error message."""
+    try:
+        text = json.dumps(value) if not isinstance(value, str) else ascii(value)
+    except (RecursionError, ValueError):
+        text = f"a deeply nested {type(value).__name__}"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -93,7 +94,8 @@ class _Checker:
 
 def parse_meta(obj: dict, where: str) -> TraceMeta:
     chk = _Checker(where, obj)
-    if obj.get("pbkv_trace") != 1:
+    version = obj.get("pbkv_trace")
+    if not _is_int(version) or version != 1:  # not true, not 1.0: exactly the integer 1
         chk.fail("pbkv_trace", "only trace format version 1 is supported")
     bs = chk.int_field("block_size", 1, required=False) or DEFAULT_BLOCK_SIZE
     fields = {k: chk.str_field(k, required=False, nonempty=False) for k in ("source", "license", "notes")}
@@ -172,38 +174,30 @@ class _CrossLineChecks:
 
 
 def read_trace(path: str | Path) -> Trace:
-    """Read and fully validate a trace file; raise `TraceError` on the first violation."""
+    """Read and fully validate a trace file; raise `TraceError` (and nothing else, whatever the
+    file holds) on the first violation, its message starting with FILE or FILE:LINE."""
     path = Path(path)
-    if not path.exists():
-        raise TraceError(f"{path}: no such trace file")
-    name = str(path)
+    name = display_name(path)
     meta = TraceMeta()
     calls: list[Call] = []
     lines: list[int] = []
     cross = _CrossLineChecks(name)
-    with _open(path, "r") as f:
-        for lineno, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            where = f"{name}:{lineno}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {_show(obj)}")
-            if "pbkv_trace" in obj:
-                if calls:
-                    raise TraceError(f"{where}: field 'pbkv_trace': the metadata line must come before "
-                                     f"every call, got {_show(obj['pbkv_trace'])}")
-                meta = parse_meta(obj, where)
-                continue
-            call = parse_call(obj, where, meta.block_size)
-            cross.add(call, lineno)
-            calls.append(call)
-            lines.append(lineno)
+    for lineno, _, obj in read_lines(path, name):
+        where = f"{name}:{lineno}"
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {_show(obj)}")
+        if "pbkv_trace" in obj:
+            if calls:
+                raise TraceError(f"{where}: field 'pbkv_trace': the metadata line must come before "
+                                 f"every call, got {_show(obj['pbkv_trace'])}")
+            meta = parse_meta(obj, where)
+            continue
+        call = parse_call(obj, where, meta.block_size)
+        cross.add(call, lineno)
+        calls.append(call)
+        lines.append(lineno)
     cross.finish(calls, lines)
-    return Trace(meta=meta, calls=calls, path=name)
+    return Trace(meta=meta, calls=calls, path=str(path))
 
 
 def validate(trace: Trace, name: str = "<trace>") -> None:

@@ -21,6 +21,7 @@ completes the move. A node whose data proved unreadable is marked `lost`.
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 import time
@@ -31,6 +32,10 @@ from pathlib import Path
 import torch
 from pbkv.cache import Node, Tier
 from pbkv.engine.hf.disk import CorruptKV, DiskFile, read_file, tensor_sha256, write_file  # noqa: F401
+from pbkv.stale import remove_stale
+
+STALE_KV_DIR = r"pbkv-kv-(?P<pid>\d+)-\w+"  # a disk tier's own temp folder: prefix, owner PID, mkdtemp suffix
+
 
 @dataclass(eq=False)
 class KV:
@@ -58,7 +63,9 @@ class KVStore:
         self.worker = worker
         self.pin = device.type == "cuda"
         self._own_dir = directory is None
-        self.directory = Path(directory or tempfile.mkdtemp(prefix="pbkv-kv-"))
+        if directory is None:  # folders of killed owners (kill -9 runs no finalizer) go first
+            remove_stale(tempfile.gettempdir(), STALE_KV_DIR)
+        self.directory = Path(directory or tempfile.mkdtemp(prefix=f"pbkv-kv-{os.getpid()}-"))
         self.directory.mkdir(parents=True, exist_ok=True)
         if self._own_dir:  # removed with the store even when nobody calls close()
             weakref.finalize(self, shutil.rmtree, str(self.directory), True)

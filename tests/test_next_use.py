@@ -1,0 +1,128 @@
+"""Predicted next use (`policy/next_use.py`) by hand, and pbkv's order and admission below the device."""
+
+import pytest
+
+from helpers import ids, resident
+from pbkv.cache import Tier
+from pbkv.policy.next_use import NextUse, Timing
+from pbkv.policy.reuse_score import ReuseScores
+from test_pbkv_policy import call, make
+from test_policies import eviction_order, labels
+
+
+def test_timing_learns_per_agent_durations_and_waits():
+    t = Timing(alpha=0.5)
+    t.call_start(1, "a", 0.0)
+    t.call_end(1, "a", 2.0)          # a took 2 s
+    t.call_start(1, "b", 3.0)        # 1 s of tool wait before b
+    t.call_end(1, "b", 7.0)
+    t.call_start(2, "a", 10.0)
+    t.call_end(2, "a", 14.0)         # a took 4 s: running mean 2 + .5 * (4 - 2)
+    assert t.duration == {"a": 3.0, "b": 4.0}
+    assert t.wait == {"b": 1.0}
+    assert t.of(t.wait, "a") == 1.0  # never seen: the mean over agents
+    assert t.step == pytest.approx(t.mean_duration + t.mean_wait)
+
+
+def estimator():
+    scores = ReuseScores(horizon=2)
+    probs = [[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]
+    survival = [1.0, 0.5]
+    scores.update(1, ["a", "b", "<unk>"], probs, survival)
+    nu = NextUse(scores, horizon=2)
+    nu.timing.duration, nu.timing.wait = {"a": 2.0, "b": 4.0}, {"a": 1.0, "b": 0.0}
+    nu.timing.mean_duration, nu.timing.mean_wait = 3.0, 0.5
+    return nu, probs, survival
+
+
+def test_expected_next_use_by_hand():
+    nu, probs, survival = estimator()
+    nu.update(1, "b", 10.0, probs, survival, pending=False)
+    # call 1 issues at 10 + E[wait] = 10.5 (a or b, .5 each), ends at 10.5 + E[dur] = 13.5;
+    # call 2 (alive .5, agent a) issues at 14.5, ends 16.5; not within the horizon: 16.5 + 3.5 / .5
+    far = 23.5
+    assert nu.prob[1] == pytest.approx([0.75, 0.5, 0.0])
+    assert nu.when[1] == pytest.approx([0.5 * 10.5 + 0.25 * 14.5 + 0.25 * far,
+                                        0.5 * 10.5 + 0.5 * far, far])
+    # a call of b that arrived and has not ended reads b's cache now; the horizon starts when
+    # it is expected to end (10 + 4 s)
+    nu.update(1, "b", 10.0, probs, survival, pending=True)
+    assert nu.when[1][1] == 10.0 and nu.prob[1][1] == 1.0
+    assert nu.when[1][0] == pytest.approx(0.5 * 14.5 + 0.25 * 18.5 + 0.25 * 27.5)
+    assert nu.first == nu.when[1] and nu.pmax == nu.prob[1]   # one workflow: its values
+    assert nu.remove(1) and nu.first == [float("inf")] * 3
+
+
+# the last call of w1 predicts: a next, then b; c never again
+PLAN = ([[1, 0, 0, 0], [0, 1, 0, 0]], [1.0, 1.0])
+
+
+def scenario(device=20, host=50):
+    cache, pol, _ = make({"w1": PLAN, "w2": PLAN}, device=device, host=host)
+    pol.on_workflow_start(1, "w1")
+    pol.on_workflow_start(2, "w2")
+    call(cache, pol, "Ra", 1.0, 2, "a", 0, context="w2")
+    pol.on_workflow_end(2, cache.end_workflow(2))             # Ra: retired
+    call(cache, pol, "Xc", 2.0, 1, "c", 0, context="w1")      # Xc: c predicted never (dead)
+    call(cache, pol, "Zb", 3.0, 1, "b", 1, context="w1")      # Zb: b in two calls
+    call(cache, pol, "Ya", 4.0, 1, "a", 2, context="w1")      # Ya: a in the next call
+    return cache, pol
+
+
+def test_order_retired_then_dead_then_farthest_next_use():
+    cache, pol = scenario()
+    assert eviction_order(cache) == labels("Ra", "Xc", "Zb", "Ya")
+
+
+def test_host_ranks_like_the_device_and_dead_nodes_only_fill_free_space():
+    cache, pol = scenario()
+    cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
+    # room for all: everything is written down, and the host ranks as the device did
+    assert cache.candidates(Tier.HOST) == [cache.tree.match(ids(p))[0] for p in ("Ra", "Xc", "Zb", "Ya")]
+    cache, pol = scenario(host=4)   # room for two of the four 2-block nodes
+    cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
+    # Ra and Xc filled the free host space; Zb and Ya (predicted reuse) displaced them
+    assert resident(cache) == {"HOST": ["Ya", "Zb"]}
+    cache.check()
+
+
+def test_admission_into_a_full_tier_only_above_its_next_victim():
+    cache, pol = scenario(host=2)   # the host holds one 2-block node
+    cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
+    assert resident(cache) == {"HOST": ["Ya"]}   # Zb went first, then Ya (sooner) displaced it
+    call(cache, pol, "Wb", 5.0, 1, "b", 3, context="w1")   # prediction unchanged: b in two calls
+    victim = cache.next_victim(Tier.HOST)
+    assert victim is cache.tree.match(ids("Ya"))[0]
+    assert not pol.keep_on_evict(cache.tree.match(ids("Wb"))[0])   # b is later than Ya's a
+    cache.evict(Tier.DEVICE, cache.evictable(Tier.DEVICE))
+    assert resident(cache) == {"HOST": ["Ya"]}
+    cache.check()
+
+
+def test_class_extremes_stay_exact_over_updates_and_removals():
+    import random
+    rng = random.Random(3)
+    scores = ReuseScores(horizon=2)
+    scores.update(0, ["a", "b", "<unk>"], [[1, 0, 0], [0, 1, 0]], [1.0, 1.0])
+    nu = NextUse(scores, horizon=2)
+    for i in range(300):
+        w = rng.randrange(6)
+        if rng.random() < 0.2:
+            nu.remove(w)
+        else:
+            probs = [[rng.random() for _ in range(3)] for _ in range(2)]
+            probs = [[x / sum(r) for x in r] for r in probs]
+            nu.update(w, rng.choice("ab"), float(i), probs, [rng.random(), 0.0], pending=rng.random() < .5)
+        for a in range(3):
+            assert nu.first[a] == min((v[a] for v in nu.when.values()), default=float("inf"))
+            assert nu.pmax[a] == max((v[a] for v in nu.prob.values()), default=0.0)
+
+
+def test_readers_are_learned_from_the_paths_calls_arrive_on():
+    cache, pol, _ = make({"w1": PLAN})
+    pol.on_workflow_start(1, "w1")
+    call(cache, pol, "Ca", 1.0, 1, "a", 0, context="w1")
+    call(cache, pol, "Ce", 2.0, 1, "c", 1, context="w1")   # arrives on "C": a used it
+    assert pol.next_use.readers == {"a": {"c"}}
+    # one conversation: a's cache ("Ca") is read by the next call, of a (PLAN: a next) or c
+    assert pol.next_use.of(cache.tree.match(ids("Ca"))[0])[1] == 1.0

@@ -1,0 +1,70 @@
+"""kill -9 of a server process leaves nothing behind: its retrain child exits, and its disk
+tier's temp folder is removed by the next start. Deadline polls, no fixed sleeps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from pbkv.stale import pid_alive, remove_stale
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# The "server": starts the retrain pool, prints the child's PID, then waits to be killed.
+PARENT = textwrap.dedent("""
+    import os, sys
+    from pbkv.serve.learning import start_pool
+    pool, lifeline = start_pool(0)
+    print(pool.submit(os.getpid).result(), flush=True)
+    sys.stdin.read()
+""")
+
+
+def wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)  # polling interval, not a wait for an event to happen by itself
+    return condition()
+
+
+def test_the_retrain_child_exits_when_its_parent_is_killed():
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert pid_alive(child)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        assert wait_until(lambda: not pid_alive(child), 20), f"retrain child {child} outlived its parent"
+    finally:
+        parent.kill()
+        parent.stdout.close()
+        parent.stdin.close()
+
+
+def test_stale_kv_folders_of_dead_owners_are_removed_at_start(tmp_path, monkeypatch):
+    from pbkv.engine.hf.kvstore import STALE_KV_DIR
+    import torch
+    from pbkv.engine.hf.kvstore import KVStore
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"pbkv-kv-{dead.pid}-abc_123"
+    (stale / "sub").mkdir(parents=True)
+    live = tmp_path / f"pbkv-kv-{os.getpid()}-xyz"
+    live.mkdir()
+    legacy = tmp_path / "pbkv-kv-noowner"  # no PID in the name: cannot tell, left alone
+    legacy.mkdir()
+    store = KVStore(torch.device("cpu"), worker=None)
+    assert not stale.exists() and live.exists() and legacy.exists()
+    assert store.directory.parent == tmp_path and store.directory.name.startswith(f"pbkv-kv-{os.getpid()}-")
+    assert remove_stale(tmp_path, STALE_KV_DIR) == []

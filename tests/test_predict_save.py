@@ -1,0 +1,124 @@
+"""Predictor saves are atomic: a writer killed (kill -9) at any step leaves the old predictor or
+the new one, each complete; stale temporaries of killed writers are removed by the next save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pbkv.predict import has_predictor, load_predictor, save_predictor, train_predictor
+from pbkv.predict.store import live_dir
+from pbkv.trace import Call, Trace, TraceMeta
+
+STEPS = ["config.json", "renamed", "pointed"]  # between two files; new version complete but not live; live
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+# The child loads predictor A, makes B (every weight + 1, info gen=B), and saves B over the
+# directory, pausing after the step named by argv[3]: it prints PAUSED and waits to be killed.
+CHILD = textwrap.dedent("""
+    import sys, torch
+    from pbkv.predict import load_predictor, save_predictor
+    from pbkv.predict import store
+    src, dst, pause = sys.argv[1:4]
+    p = load_predictor(src)
+    with torch.no_grad():
+        for t in p.net.parameters():
+            t.add_(1.0)
+    p.info = {"gen": "B"}
+    def on_step(step):
+        if step == pause:
+            print("PAUSED", step, flush=True)
+            sys.stdin.read()  # never returns: the parent kills this process here
+    store.on_step = on_step
+    save_predictor(p, dst)
+    print("DONE", flush=True)
+""")
+
+
+def tiny_trace() -> Trace:
+    calls = []
+    for w in range(12):
+        agents = ["plan", "code", "review"] if w % 2 else ["plan", "review"]
+        for s, a in enumerate(agents):
+            calls.append(Call(workflow_id=f"w{w}", step=s, agent=a, input_length=16, output_length=1,
+                              hash_ids=[w * 10 + s], done=s == len(agents) - 1))
+    return Trace(meta=TraceMeta(), calls=calls)
+
+
+@pytest.fixture(scope="module")
+def predictor_a(tmp_path_factory):
+    p = train_predictor(tiny_trace(), epochs=1, seed=0)
+    p.info = {"gen": "A"}
+    return save_predictor(p, tmp_path_factory.mktemp("a") / "model")
+
+
+def weights(p) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in p.net.state_dict().items()}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def kill_at(step: str, src: Path, dst: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(dst), step], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_writer_killed_at_any_step_leaves_old_or_new_whole(predictor_a, tmp_path):
+    a = load_predictor(predictor_a)
+    wa = weights(a)
+    wb = {k: (v + 1.0 if v.is_floating_point() and k in dict(a.net.named_parameters()) else v)
+          for k, v in wa.items()}
+    children = {}
+    for step in STEPS:  # all started at once: their start-up (importing torch) overlaps
+        dst = tmp_path / step
+        save_predictor(a, dst)
+        children[step] = (kill_at(step, predictor_a, dst), dst)
+    for step, (child, dst) in children.items():
+        line = child.stdout.readline()
+        assert line.split() == ["PAUSED", step], line
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        child.stdout.close()
+        child.stdin.close()
+        loaded = load_predictor(dst)
+        expect_new = step == "pointed"
+        assert loaded.info["gen"] == ("B" if expect_new else "A"), step
+        assert same(weights(loaded), wb if expect_new else wa), step
+        # the next save removes the killed writer's temporaries; the live and previous versions stay
+        save_predictor(a, dst)
+        names = sorted(p.name for p in dst.iterdir())
+        assert not [n for n in names if "tmp" in n], (step, names)
+        assert names[0] == "CURRENT" and len(names) <= 3, (step, names)
+        assert same(weights(load_predictor(dst)), wa)
+
+
+def test_flat_directory_loads_and_the_first_versioned_save_replaces_it(predictor_a, tmp_path):
+    a = load_predictor(predictor_a)
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for f in live_dir(predictor_a).iterdir():
+        (flat / f.name).write_bytes(f.read_bytes())
+    assert has_predictor(flat) and live_dir(flat) == flat
+    assert load_predictor(flat).info["gen"] == "A"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".flat.tmp{dead.pid}"     # the temp folder of the earlier save_atomic
+    stale.mkdir()
+    alive = tmp_path / f".flat.tmp{os.getpid()}"  # a live writer's: never touched
+    alive.mkdir()
+    save_predictor(a, flat)
+    assert sorted(p.name for p in flat.iterdir()) == ["CURRENT", "v000001"]
+    assert not stale.exists() and alive.exists()
+    pa, pb = (p.predict(["plan"]) for p in (a, load_predictor(flat)))
+    assert np.array_equal(pa.probs, pb.probs)
