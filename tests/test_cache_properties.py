@@ -53,9 +53,9 @@ class Run:
         self.steps: dict[int, int] = {}  # started workflow -> its next step
         self.now = 0.0
 
-    def event(self, wf, node):
+    def event(self, wf, node, hash_ids):
         step = self.steps[wf]
-        call = SimpleNamespace(context=None, workflow_id=f"w{wf}", step=step)
+        call = SimpleNamespace(context=None, workflow_id=f"w{wf}", step=step, hash_ids=hash_ids)
         return CallEvent(wf, "xy"[(wf + step) % 2], step, call, node, self.now)
 
     def serve(self, prompt, wf, partial):
@@ -66,7 +66,7 @@ class Run:
         h = ids(prompt)
         node, matched = tree.match(h)
         if self.hooks:
-            self.pol.on_call_start(self.event(wf, node))
+            self.pol.on_call_start(self.event(wf, node, h))
         path = node.path() if matched else []
         lower = [n for n in path if n.tier != Tier.DEVICE]
         if lower:
@@ -86,7 +86,7 @@ class Run:
         tree.touch(leaf, self.now, wf, "xy"[wf % 2])
         self.held.append(leaf)
         if self.hooks:
-            self.pol.on_call_end(self.event(wf, leaf))
+            self.pol.on_call_end(self.event(wf, leaf, h))
             self.steps[wf] += 1
 
     def _insert(self, h, tail, need):
@@ -186,3 +186,10 @@ def test_invariants_pbkv(ops, device, host, disk):
 @given(OPS, st.integers(6, 24), st.integers(0, 16), st.integers(0, 16))
 def test_invariants_pbkv_retired(ops, device, host, disk):
     run_ops("pbkv-retired", device * BLOCK, host * BLOCK, disk * BLOCK, ops)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["slru", "arc", "continuum", "scalesim"]), OPS, st.integers(6, 24), st.integers(0, 16),
+       st.integers(0, 16))
+def test_invariants_peers(policy, ops, device, host, disk):
+    run_ops(policy, device * BLOCK, host * BLOCK, disk * BLOCK, ops)

@@ -38,8 +38,11 @@ def test_bench_generated_workloads_and_table(tmp_path):
     assert r.exit_code == 0, r.output
     assert "finance: 10 workflows" in r.output and "dialogue" in r.output
     records = json.loads((tmp_path / "x.json").read_text())
-    # LRU (the reference) and the oracle (the bound) are always added
-    assert len(records) == 12 and [r["policy"] for r in records[:3]] == ["lru", "kvflow", "oracle"]
+    # LRU (the reference) and the oracle (the bound) are always added; by default each cell runs
+    # in two regimes chosen from the workload's working set (device only, device + host)
+    assert len(records) == 24 and [r["policy"] for r in records[:3]] == ["lru", "kvflow", "oracle"]
+    assert [r["tiers"] for r in records[:6:3]] == ["device", "device+host"]
+    assert records[0]["host_tokens"] == 0 and records[3]["host_tokens"] == 2 * records[3]["device_tokens"]
 
 
 def test_bench_pbkv_needs_a_predictor_for_a_trace_and_trains_on_train(tmp_path):
@@ -49,7 +52,7 @@ def test_bench_pbkv_needs_a_predictor_for_a_trace_and_trains_on_train(tmp_path):
     r = invoke("bench", "--trace", replay, "--policies", "pbkv", "--concurrency", "2", "--out", tmp_path)
     assert r.exit_code == 2 and "needs a trained fused predictor" in r.output and "--train" in r.output
     r = invoke("bench", "--trace", replay, "--train", train, "--policies", "pbkv", "--concurrency", "2",
-               "--out", tmp_path, "--jobs", 1)
+               "--pressure", "profile", "--out", tmp_path, "--jobs", 1)
     assert r.exit_code == 0, r.output
     records = json.loads((tmp_path / "bench.json").read_text())
     assert [r["policy"] for r in records] == ["lru", "pbkv", "oracle"]

@@ -57,7 +57,7 @@ def test_fetching_over_a_link_costs_time_and_counts_bytes():
 
 def test_bench_cli_compares_routers_side_by_side(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--workload", "hover", "--workflows", "12", "--concurrency", "4",
-                                 "--policies", "lru", "--instances", "2", "--router", "round-robin,pbkv",
+                                 "--policies", "lru", "--instances", "2", "--router", "round-robin,pbkv", "--device-tokens", "40000",
                                  "--out", str(tmp_path), "--jobs", "1"])
     assert r.exit_code == 0, r.output
     assert "on 2 instances (pcie4 links)" in r.output

@@ -34,6 +34,7 @@ def run_call(cache, pol, prompt, now, wf, agent, step):
 
 def test_registry_lists_and_rejects_unknown_names():
     assert policy_names()[:4] == ["lru", "kvflow", "oracle", "pbkv"]
+    assert {"continuum", "scalesim", "arc", "slru"} <= set(policy_names())
     with pytest.raises(UnknownPolicy, match=r"unknown policy 'lfu'; known policies: lru, kvflow, oracle, pbkv"):
         make_policy("lfu", PolicyContext())
     with pytest.raises(UnknownPolicy, match="cannot load"):

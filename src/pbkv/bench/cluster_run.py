@@ -49,7 +49,7 @@ def simulate_cluster(workload: Workload, cfg: RunConfig, instances: int, router:
     check_fits(workload, caps.device)
     engines = []
     for _ in range(instances):
-        policy = build_policy(workload, cfg, setup.call_seconds)
+        policy = build_policy(workload, cfg, setup)
         engines.append(Simulator(cost, TieredCache(RadixTree(workload.trace.block_size), caps, policy), policy))
     gpus = cfg.profile.gpu.count
     shared = SharedTier(shared_tokens, shared_link or get_link("nvme"), workload.trace.block_size) \

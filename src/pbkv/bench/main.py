@@ -10,7 +10,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.report import print_tables, write_json, write_plots
-from pbkv.bench.sweep import SweepConfig, load_workload, run_sweep
+from pbkv.bench.verdict import verdicts
+from pbkv.bench.sweep import SweepConfig, load_workload, run_sweep, sweep_jobs
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import policy_class
 
@@ -77,12 +78,13 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
                                        jobs=args.jobs)
         cfg = replace(args, policies=pols, predictors=paths)
         doing = {"sim": "simulating", "vllm": "running vLLM"}.get(args.engine, "running the model")
-        bar.update(task, description=doing, completed=0,
-                   total=len(args.sources) * len(pols) * len(args.concurrency) * len(args.router_runs()))
+        bar.update(task, description=doing, completed=0, total=len(sweep_jobs(cfg)))
         records = run_sweep(cfg, on_done=lambda r: bar.update(
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
                                          + (f" {r['router']}" if "router" in r else "")))
     print_tables(records, console)
+    for line in verdicts(records):
+        console.print(line, markup=False, highlight=False)  # "[regime]" is text, not markup
     path = write_json(records, args.json_path or args.out / "bench.json")
     plots = write_plots(records, args.out)
     console.print(f"results: {path}" + "".join(f"\n         {p}" for p in plots))

@@ -4,12 +4,17 @@ Where the training data comes from, in order:
 - `--predictor DIR`: a predictor saved by `pbkv train` (the "fused" variant);
 - `--train FILE...`: trained on those traces (every variant the policies need);
 - a generated workload: trained on the same generator with another seed (`seed + 1`), so the
-  replayed workflows are never in the training set;
+  replayed workflows are never in the training set; kept in `cache_dir()` (keyed by spec, seed,
+  size, variant, horizon, epochs and a hash of the predictor and generator code) and reused;
 - a replayed trace with neither: an error (training on the replayed trace would test on it).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +50,10 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
             if psrc.train:
                 folder, data = out / f"train-{variant}", tuple(psrc.train)
             elif source.spec:
-                folder, data = out / f"{source.name}-{variant}", source
+                folder, data = cache_folder(source, variant, psrc), source
+                if (folder / "model.safetensors").exists():  # trained before, same code and data
+                    paths[(source.name, variant)] = str(folder)
+                    continue
             else:
                 users = [p for p in policies if needed_predictor(p) == variant]
                 raise ValueError(f"{', '.join(users)} needs a trained {variant} predictor to replay "
@@ -67,6 +75,37 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
     return paths
 
 
+def cache_dir() -> Path:
+    """Where predictors trained on generated workloads are kept: $PBKV_CACHE or ~/.cache/pbkv."""
+    return Path(os.environ.get("PBKV_CACHE") or Path.home() / ".cache" / "pbkv")
+
+
+def code_version() -> str:
+    """Hash of the code a trained predictor depends on (predictor, training, workload generator):
+    any change there retrains."""
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for folder in ("predict", "workloads", "trace"):
+        for f in sorted((root / folder).rglob("*")):
+            if f.suffix in (".py", ".yaml") and f.is_file():
+                digest.update(f.relative_to(root).as_posix().encode())
+                digest.update(f.read_bytes())
+    digest.update(Path(__file__).read_bytes())  # how training is called
+    return digest.hexdigest()[:12]
+
+
+def cache_folder(source, variant: str, psrc: PredictorSource) -> Path:
+    """The cache entry of a generated workload's predictor: keyed by the workload's spec (its
+    text for a spec file), training seed and size, variant, horizon, epochs and code version."""
+    from pbkv.workloads.spec import BUILTIN_DIR
+    spec = Path(source.spec)
+    text = (spec if spec.suffix in (".yaml", ".yml", ".json") else BUILTIN_DIR / f"{source.spec}.yaml").read_bytes()
+    spec_hash = hashlib.sha256(text).hexdigest()[:8]
+    name = (f"{source.name}-{spec_hash}-seed{source.seed + 1}-n{max(source.workflows, 500)}-{variant}"
+            f"-k{psrc.horizon}-e{psrc.epochs or 'd'}-{code_version()}")
+    return cache_dir() / "predictors" / name
+
+
 def training_trace(source):
     """The generator's workflows under another seed: the same workload, never the replayed runs."""
     from pbkv.workloads import generate, load_spec
@@ -83,7 +122,16 @@ def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> s
     if psrc.epochs:
         kwargs["epochs"] = psrc.epochs
     predictor = train_predictor(traces, progress=progress, **kwargs)
-    save_predictor(predictor, Path(folder))
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    save_predictor(predictor, tmp)  # whole or nothing: a concurrent or killed run never sees half
+    if folder.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another run finished the same entry first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(folder)
 
 

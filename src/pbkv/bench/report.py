@@ -17,7 +17,19 @@ def _fmt(v, pct=False):
     return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
+def regime_of(r: dict) -> tuple:
+    """The memory regime of a record: (tiers, pressure, device, host, disk tokens)."""
+    return r.get("tiers"), r.get("pressure"), r.get("device_tokens"), r.get("host_tokens"), r.get("disk_tokens")
+
+
+def regime_label(r: dict) -> str:
+    tiers = f"{r['tiers']}, " if r.get("tiers") else ""
+    pressure = f"pressure {r['pressure']:g}, " if r.get("pressure") else ""
+    return f"{tiers}{pressure}KV tokens device {r['device_tokens']:,}, host {r['host_tokens']:,}, disk {r['disk_tokens']:,}"
+
+
 def tables(records: list[dict]) -> list[Table]:
+    """One table per workload and memory regime (rows: concurrency x policy)."""
     out = []
     for workload in dict.fromkeys(r["workload"] for r in records):
         rows = [r for r in records if r["workload"] == workload]
@@ -25,23 +37,26 @@ def tables(records: list[dict]) -> list[Table]:
         if first.get("engine") in ("hf", "vllm"):
             out.append((hf_table if first["engine"] == "hf" else vllm_table)(workload, rows))
             continue
-        t = Table(title=f"{workload}: {first['workflows']} workflows; KV tokens device {first['device_tokens']:,}, "
-                        f"host {first['host_tokens']:,}, disk {first['disk_tokens']:,}",
-                  caption="lat/p99: workflow latency s; hit: % of prompt tokens; recomp: M tokens "
-                          "recomputed; GB in: loaded to device; xLRU: LRU latency / policy latency")
-        if "router" in first:
-            out.append(router_table(workload, rows))
-            continue
-        for col in ("conc", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB in", "xLRU"):
-            t.add_column(col, justify="right", no_wrap=True)
-        for r in rows:
-            t.add_row(str(r["concurrency"] or "open"), r["policy"], _fmt(r["mean_workflow_latency_s"]),
-                      _fmt(r["p99_workflow_latency_s"]), _fmt(r["mean_ttft_s"]),
-                      _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True),
-                      _fmt(r["disk_hit_rate"], True), f"{r['recomputed_tokens'] / 1e6:.2f}",
-                      f"{r['bytes_loaded'] / 1e9:.0f}", f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
-        out.append(t)
+        for regime in dict.fromkeys(regime_of(r) for r in rows):
+            cell = [r for r in rows if regime_of(r) == regime]
+            out.append((router_table if "router" in cell[0] else sim_table)(workload, cell))
     return out
+
+
+def sim_table(workload: str, rows: list[dict]) -> Table:
+    first = rows[0]
+    t = Table(title=f"{workload}: {first['workflows']} workflows; {regime_label(first)}",
+              caption="pressure: device / distinct prompt tokens; lat/p99: workflow latency s; hit: % of prompt "
+                      "tokens; recomp: M tokens recomputed; GB in: loaded to device; xLRU: LRU latency / policy's")
+    for col in ("conc", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB in", "xLRU"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(str(r["concurrency"] or "open"), r["policy"], _fmt(r["mean_workflow_latency_s"]),
+                  _fmt(r["p99_workflow_latency_s"]), _fmt(r["mean_ttft_s"]),
+                  _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True),
+                  _fmt(r["disk_hit_rate"], True), f"{r['recomputed_tokens'] / 1e6:.2f}",
+                  f"{r['bytes_loaded'] / 1e9:.0f}", f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
+    return t
 
 
 def router_table(workload: str, rows: list[dict]) -> Table:
@@ -122,7 +137,10 @@ def _label(r: dict) -> str:
 
 
 def write_plots(records: list[dict], out: Path) -> list[Path]:
-    """Per workload: speedup over LRU and device hit rate against concurrency, one line per policy."""
+    """Per workload: speedup over LRU and device hit rate against concurrency, one line per
+    policy (the first memory regime's runs); with several device capacities also
+    `WORKLOAD-regimes.png`: speedup and the miss-ratio curve (device hit rate against device
+    capacity), one column per tier set, one line per policy, at the highest concurrency."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,21 +151,51 @@ def write_plots(records: list[dict], out: Path) -> list[Path]:
         rows = [r for r in records if r["workload"] == workload and r["concurrency"] is not None]
         if not rows:
             continue
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        for label in dict.fromkeys(_label(r) for r in rows):
-            pts = [r for r in rows if _label(r) == label]
-            xs = [r["concurrency"] for r in pts]
-            ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
-            ax2.plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=label)
-        ax1.set(title=f"{workload}: speedup over LRU", xlabel="concurrent workflows",
-                ylabel="LRU mean workflow latency / policy's")
-        ax2.set(title=f"{workload}: device hit rate", xlabel="concurrent workflows", ylabel="% of prompt tokens")
-        for ax in (ax1, ax2):
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        path = out / f"{workload}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        first = regime_of(rows[0])
+        paths.append(_concurrency_plot(plt, workload, [r for r in rows if regime_of(r) == first], out))
+        if len({r["device_tokens"] for r in rows}) > 1:
+            paths.append(_regimes_plot(plt, workload, rows, out))
     return paths
+
+
+def _concurrency_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for label in dict.fromkeys(_label(r) for r in rows):
+        pts = [r for r in rows if _label(r) == label]
+        xs = [r["concurrency"] for r in pts]
+        ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
+        ax2.plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=label)
+    ax1.set(title=f"{workload}: speedup over LRU", xlabel="concurrent workflows",
+            ylabel="LRU mean workflow latency / policy's")
+    ax2.set(title=f"{workload}: device hit rate", xlabel="concurrent workflows", ylabel="% of prompt tokens")
+    return _save(plt, fig, (ax1, ax2), out / f"{workload}.png")
+
+
+def _regimes_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
+    top = max(r["concurrency"] for r in rows)
+    rows = [r for r in rows if r["concurrency"] == top]
+    tier_sets = list(dict.fromkeys(r.get("tiers") for r in rows))
+    fig, axes = plt.subplots(2, len(tier_sets), figsize=(5 * len(tier_sets), 8), squeeze=False)
+    for col, tiers in enumerate(tier_sets):
+        mine = sorted((r for r in rows if r.get("tiers") == tiers), key=lambda r: r["device_tokens"])
+        for policy in dict.fromkeys(r["policy"] for r in mine):
+            pts = [r for r in mine if r["policy"] == policy]
+            xs = [r["device_tokens"] for r in pts]
+            axes[0][col].plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=policy)
+            axes[1][col].plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=policy)
+        name = tiers or "profile tiers"
+        axes[0][col].set(title=f"{workload}, {name}: speedup over LRU (conc {top})", xlabel="device KV tokens",
+                         ylabel="LRU mean workflow latency / policy's")
+        axes[1][col].set(title=f"{workload}, {name}: miss-ratio curve", xlabel="device KV tokens",
+                         ylabel="device hit rate, % of prompt tokens")
+    return _save(plt, fig, axes.flatten(), out / f"{workload}-regimes.png")
+
+
+def _save(plt, fig, axes, path: Path) -> Path:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -76,6 +76,12 @@ class SimSetup(EngineSetup):
     def call_seconds(self, call: Call) -> float:
         return self._duration(call)
 
+    def token_costs(self) -> tuple[float, float]:
+        """Seconds to recompute one token (a 4,096-token prompt over a 4,096-token prefix) and
+        to load one back from host, from the cost model (Continuum weighs them)."""
+        n, cost = 4096, self.cost
+        return cost.prefill_seconds(cost.prefill_flops(n, n)) / n, cost.load_seconds([0, n, 0]) / n
+
     def capacities(self, workload: Workload, cfg: RunConfig) -> Capacities:
         return cfg.capacities()
 

@@ -36,6 +36,11 @@ class EngineSetup:
         """A rough duration of `call`, for the oracle's schedule (`policy.future.Future`)."""
         raise NotImplementedError
 
+    def token_costs(self) -> tuple[float | None, float | None]:
+        """Seconds to recompute one token and to load one back from host (None: unknown; the
+        policies that weigh them use their defaults)."""
+        return None, None
+
     def make_engine(self, cache: TieredCache, policy: Policy):
         """The engine serving this run over `cache` (it binds `policy`)."""
         raise NotImplementedError
@@ -70,15 +75,17 @@ def policy_predictors(workload: Workload, cfg: RunConfig) -> dict:
     return predictors
 
 
-def build_policy(workload: Workload, cfg: RunConfig, call_seconds: Callable[[Call], float]) -> Policy:
+def build_policy(workload: Workload, cfg: RunConfig, setup: EngineSetup) -> Policy:
     """`cfg.policy` built for `workload`: its block size, agent graph, predictors, horizon, learner and,
-    for policies that see the future (the oracle), the schedule `call_seconds` implies."""
+    for policies that see the future (the oracle), the schedule `setup.call_seconds` implies."""
+    recompute, load = setup.token_costs()
     ctx = PolicyContext(block_size=workload.trace.block_size, agent_graph=workload.agent_graph,
                         static_sequence=workload.static_sequence, horizon=cfg.horizon,
-                        online_learner=cfg.online_learner,
+                        online_learner=cfg.online_learner, recompute_token_seconds=recompute,
+                        load_token_seconds=load,
                         predictors=policy_predictors(workload, cfg))
     if needs_future(cfg.policy):
-        ctx.future = Future(workload.workflows, workload.trace.block_size, cfg.concurrency, call_seconds)
+        ctx.future = Future(workload.workflows, workload.trace.block_size, cfg.concurrency, setup.call_seconds)
     return make_policy(cfg.policy, ctx)
 
 
@@ -88,7 +95,7 @@ def run_workload(workload: Workload, cfg: RunConfig, setup: EngineSetup, progres
     the number of finished workflows."""
     caps = setup.capacities(workload, cfg)
     check_fits(workload, caps.device)
-    policy = build_policy(workload, cfg, setup.call_seconds)
+    policy = build_policy(workload, cfg, setup)
     cache = TieredCache(RadixTree(workload.trace.block_size), caps, policy)
     engine = setup.make_engine(cache, policy)
     start = time.perf_counter()

@@ -8,12 +8,13 @@ from __future__ import annotations
 import functools
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from typing import TYPE_CHECKING
 
 from pbkv.bench import predictors as predictors_mod
+from pbkv.bench import regimes as regimes_mod
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # imported where used: they pull in the real engine / the vLL
     from pbkv.bench.hf_run import HFConfig
     from pbkv.bench.vllm_run import VLLMConfig
 
-RECORD_KEYS = ("workload", "policy", "concurrency", "engine", "workflows", "calls",
+RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine", "workflows", "calls",
                "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
                "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
                "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
@@ -68,6 +69,8 @@ class SweepConfig:
     online: bool = False
     train_files: tuple[str, ...] = ()
     predictors: dict = field(default_factory=dict)   # (workload, variant) -> saved predictor dir
+    pressures: list[float] | str | None = None       # device / distinct prompt tokens; "auto": per workload
+    tiers: list[str] = field(default_factory=list)   # regimes.TIER_SETS; empty: from the profile / options
     engine: str = "sim"                              # sim | hf | vllm
     hf: HFConfig | None = None                       # the real engine's settings (engine "hf"; default HFConfig())
     vllm: VLLMConfig | None = None                   # vLLM's settings (engine "vllm"; default VLLMConfig())
@@ -96,7 +99,7 @@ def load_workload(source: Source) -> Workload:
 
 
 def _run_one(args: tuple) -> dict:
-    source, policy, concurrency, cfg, router = args
+    source, policy, concurrency, cfg, regime, router = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         from pbkv.policy.registry import needed_predictor
@@ -108,7 +111,9 @@ def _run_one(args: tuple) -> dict:
     learner = None
     if cfg.online and predictors:
         learner = predictors_mod.online_learner(source, list(cfg.train_files), cfg.horizon or 3)
-    run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile), cache=cfg.cache,
+    cache = replace(cfg.cache, device_tokens=regime.device_tokens, host_tokens=regime.host_tokens,
+                    disk_tokens=regime.disk_tokens)
+    run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile), cache=cache,
                     predictors=predictors, horizon=cfg.horizon, online_learner=learner)
     if cfg.engine == "hf":
         from pbkv.bench.hf_run import HFConfig, run_hf
@@ -120,14 +125,37 @@ def _run_one(args: tuple) -> dict:
                                   shared_tokens=cfg.shared_tokens, shared_link=get_link(cfg.shared_link))
     else:
         record = simulate(load_workload(source), run)
-    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine)
+    record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine,
+                  pressure=regime.pressure, tiers=regime.tiers)
     return record
+
+
+def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> list[regimes_mod.Regime]:
+    """The memory regimes one (workload, concurrency) cell runs in (vLLM: its own sizes only)."""
+    if cfg.engine == "vllm":
+        return [regimes_mod.Regime()]
+    if cfg.engine == "hf" and cfg.pressures == "auto":  # the real engine sizes its (scaled) memory itself
+        return regimes_mod.regimes(None, [], cfg.tiers, cfg.cache.device_tokens, cfg.cache.host_tokens, cfg.cache.disk_tokens)
+    if cfg.engine == "hf" and cfg.pressures:
+        raise ValueError("--pressure sizes the simulator's memory; with --engine hf give --device-tokens")
+    workload = load_workload(source)
+    if cfg.pressures == "auto" and cfg.cache.device_tokens is None:
+        return regimes_mod.auto_regimes(workload, concurrency, cfg.tiers, cfg.cache.host_tokens, cfg.cache.disk_tokens)
+    pressures = [] if cfg.pressures == "auto" else cfg.pressures
+    return regimes_mod.regimes(workload, pressures or [], cfg.tiers, cfg.cache.device_tokens, cfg.cache.host_tokens,
+                               cfg.cache.disk_tokens)
+
+
+def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
+    """Every run, in record order: workload, concurrency, regime, router (several instances
+    only), policy."""
+    return [(s, p, c, cfg, rg, r) for s in cfg.sources for c in cfg.concurrency
+            for rg in sweep_regimes(cfg, s, c) for r in cfg.router_runs() for p in cfg.policies]
 
 
 def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
     """Run every configuration; `on_done(record)` is called as each finishes (any order)."""
-    jobs = [(s, p, c, cfg, r) for s in cfg.sources for c in cfg.concurrency for r in cfg.router_runs()
-            for p in cfg.policies]
+    jobs = sweep_jobs(cfg)
     results: list[dict | None] = [None] * len(jobs)
     # real-engine runs go one after another in this process: one model load, and wall times
     # not distorted by a second run competing for the cores
@@ -147,17 +175,18 @@ def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
 
 
 def finish_records(records: list[dict]) -> list[dict]:
-    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records, round floats.
+    """Order keys, add `speedup_vs_lru` (and hit-rate ratio) to non-LRU records (against LRU in
+    the same workload, concurrency and regime), round floats.
     On vLLM (`engine` "vllm") the baseline is vLLM alone (policy "vllm") instead of LRU."""
     def baseline(r):
         return "vllm" if r.get("engine") == "vllm" else "lru"
-    def key(r):   # the runs a policy is compared within (same instances and router, if any)
-        return r["workload"], r["concurrency"], r.get("instances"), r.get("router")
-    lru = {key(r): r for r in records if r["policy"] == baseline(r)}
+    def cell(r):   # the runs a policy is compared within (same regime, instances and router, if any)
+        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r.get("router")
+    lru = {cell(r): r for r in records if r["policy"] == baseline(r)}
     out = []
     for r in records:
         rec = {k: r[k] for k in RECORD_KEYS if k in r}
-        base = lru.get(key(r))
+        base = lru.get(cell(r))
         if base is not None and r["policy"] != baseline(r):
             rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / max(r["mean_workflow_latency_s"], 1e-12)
             rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)

@@ -17,6 +17,13 @@ ENGINES = ("sim", "hf", "vllm")
 EngineOpt = Annotated[str, typer.Option(
     help="Engine: 'sim' (the discrete-event simulator), 'hf' (a real transformers model, wall-clock time) or "
          "'vllm' (a real vLLM alone (policy 'vllm') and with pbkv's connector per policy; docs/vllm.md).")]
+PressureOpt = Annotated[str, typer.Option(
+    help="Device capacity as a fraction of the replay's distinct prompt tokens, comma-separated (e.g. "
+         "0.02,0.05,0.1); 'auto': chosen from each workload's working set (the default run's regimes); "
+         "'profile': the profile's device. --device-tokens wins.")]
+TiersOpt = Annotated[str, typer.Option(
+    help="Tier sets to run, comma-separated: device (vLLM-like), device+host (host 2x device, HiCache-like), "
+         "device+host+disk; 'auto': the default run's pairs with --pressure auto, else the profile's tiers.")]
 VLLMPythonOpt = Annotated[Optional[Path], typer.Option(
     help="--engine vllm: python of the venv with vLLM (default: .venv-vllm/bin/python; see docs/vllm.md).")]
 InstancesOpt = Annotated[int, typer.Option(
@@ -35,8 +42,10 @@ SharedLinkOpt = Annotated[str, typer.Option(help="How instances read the shared 
 def bench(
     workload: WorkloadOpt = "hover,swe,finance,dialogue",
     trace: TracesOpt = None,
-    policies: PoliciesOpt = "lru,kvflow,pbkv,oracle",
-    concurrency: ConcurrencyOpt = "16,32,64,96",
+    policies: PoliciesOpt = "lru,kvflow,continuum,scalesim,arc,slru,pbkv,oracle",
+    concurrency: ConcurrencyOpt = "64",
+    pressure: PressureOpt = "auto",
+    tiers: TiersOpt = "auto",
     profile: ProfileOpt = "a6000-qwen3-32b",
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
@@ -85,7 +94,15 @@ def bench(
         instances=instances, routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
         shared_link=shared_link,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
-                                  horizon=horizon or 3)))
+                                  horizon=horizon or 3), **regime_args(pressure, tiers)))
+
+
+def regime_args(pressure: str, tiers: str) -> dict:
+    """--pressure and --tiers, validated (clear error, exit 2)."""
+    from pbkv.bench.regimes import parse_pressures, parse_tiers
+    with exit_on_error():
+        press = pressure if pressure == "auto" else None if pressure == "profile" else parse_pressures(pressure)
+        return {"pressures": press, "tiers": [] if tiers == "auto" else parse_tiers(tiers)}
 
 
 def ablate(

@@ -53,12 +53,15 @@ def perf_policy(
 
 @perf_app.command("evict")
 def perf_evict(
-    nodes: Annotated[int, typer.Option(min=100, help="Nodes in the tree.")] = 100_000,
+    nodes: Annotated[int, typer.Option(min=1100, help="Nodes in the tree.")] = 100_000,
     policy: PolicyOpt = "lru",
+    predictor: PredictorOpt = None,
 ):
-    """Eviction cost per evicted node in a tree of NODES nodes (target <= 50 us)."""
+    """Eviction cost per evicted node in a tree of NODES nodes with live workflows (target <= 50 us).
+    Predicting policies use --predictor, else a Markov predictor fitted on the synthetic workflows."""
     from pbkv.bench.perf import evict_speed
     with exit_on_error():
-        r = evict_speed(nodes, policy)
+        r = evict_speed(nodes, policy, model=str(predictor) if predictor else None)
+    used = f"; predictor: {r['predictor']}" if r["predictor"] else ""
     console.print(f"{r['evicted']} nodes evicted from a {r['nodes']:,}-node tree in {r['seconds'] * 1e3:.1f} ms: "
-                  f"{r['us_per_node']:.1f} us per evicted node ({policy})")
+                  f"{r['us_per_node']:.1f} us per evicted node ({policy}{used})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from pbkv.cache import Move, Node, TieredCache
+from pbkv.cache import Move, Node, Tier, TieredCache
 
 
 def prepare_prefetches(cache: TieredCache, wanted: list[Node], budget: int, allow_evict: bool,
@@ -17,11 +17,17 @@ def prepare_prefetches(cache: TieredCache, wanted: list[Node], budget: int, allo
     wanted node (a dropped node's path no longer reaches the root), so each node is re-checked
     here, when its turn comes, and a dropped one is skipped."""
     for node in wanted:
-        if not node.alive:
+        if budget <= 0:
+            return
+        if not node.alive:  # dropped while an earlier prefetch made room (its host copy was evicted)
+            continue
+        if not allow_evict and node.tokens > cache.free(Tier.DEVICE):  # its segment cannot fit
             continue
         segment = cache.below_device(node)
         tokens = sum(n.tokens for n in segment)
         if not segment or tokens > budget or any(n.lock or busy(n) for n in segment):
+            continue
+        if not allow_evict and tokens > cache.free(Tier.DEVICE):  # cannot fit: skip the pin/unpin
             continue
         move = cache.prepare_load(segment, keep_lock=False, allow_evict=allow_evict)
         if move is None:

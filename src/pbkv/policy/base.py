@@ -34,8 +34,12 @@ class PolicyContext:
 
     Tuning: `horizon` is the steps ahead a predicting policy scores (None: its predictor's; must
     not exceed it); `gamma` the per-step discount of pbkv's reuse score; `kvflow_horizon` the
-    steps-to-execution cap of kvflow; `online_learner` (pbkv.predict.online.OnlineLearner or
-    the server's TrafficLearner) hears finished workflows and hands back retrained predictors."""
+    steps-to-execution cap of kvflow; `scalesim_horizon` the invocation-distance cap of scalesim;
+    `online_learner` (pbkv.predict.online.OnlineLearner or the server's TrafficLearner) hears
+    finished workflows and hands back retrained predictors.
+
+    Costs (from the engine's cost model; None when the engine has none): `recompute_token_seconds`
+    and `load_token_seconds`, what one token costs to recompute or to load back from host."""
 
     block_size: int = 16
     agent_graph: dict[str, list[str]] = field(default_factory=dict)
@@ -45,7 +49,10 @@ class PolicyContext:
     horizon: int | None = None
     gamma: float = 0.8
     kvflow_horizon: int = 5
+    scalesim_horizon: int = 5
     online_learner: object = None
+    recompute_token_seconds: float | None = None
+    load_token_seconds: float | None = None
 
 
 @dataclass

@@ -54,7 +54,10 @@ class OraclePolicy(Policy):
                 self.cache.refresh(node)
 
     def prefetch(self, request: PrefetchRequest) -> list[Node]:
+        if request.free_tokens <= 0:  # it never evicts for a prefetch: nothing could load
+            return []
         live = [n for n in self.host_nodes.values() if n.alive and n.tier != Tier.DEVICE]
         self.host_nodes = {n.id: n for n in live}
-        soon = sorted((self.future.next_use(n.blocks[0]), n.id, n) for n in live)
+        free = request.free_tokens  # a node larger than the free space cannot load (no eviction)
+        soon = sorted((self.future.next_use(n.blocks[0]), n.id, n) for n in live if n.tokens <= free)
         return [n for v, _, n in soon if v != float("inf")]

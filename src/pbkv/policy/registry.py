@@ -16,6 +16,10 @@ BUILTIN: dict[str, str] = {
     "pbkv-history": "pbkv.policy.pbkv:PBKVHistoryPolicy",
     "pbkv-context": "pbkv.policy.pbkv:PBKVContextPolicy",
     "pbkv-perfect": "pbkv.policy.pbkv_perfect:PBKVPerfectPolicy",
+    "continuum": "pbkv.policy.continuum:ContinuumPolicy",
+    "scalesim": "pbkv.policy.scalesim:ScaleSimPolicy",
+    "arc": "pbkv.policy.arc:ARCPolicy",
+    "slru": "pbkv.policy.slru:SLRUPolicy",
 }
 
 

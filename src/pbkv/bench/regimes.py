@@ -1,0 +1,132 @@
+"""Memory regimes of a benchmark: how much device memory, and which tiers below it.
+
+- pressure: device capacity as a fraction of the replay's distinct prompt tokens (the KV of
+  every distinct prompt block once: what a cache would need to never recompute), so one
+  fraction means comparable pressure on every workload; an explicit device capacity wins;
+- tiers: "device" (no host or disk tier: vLLM's GPU prefix cache), "device+host" (a host tier
+  of `HOST_RATIO` x the device, itself under pressure: SGLang HiCache-like), "device+host+disk"
+  (plus a disk tier of `DISK_RATIO` x the device). Explicit host/disk capacities win for the
+  tiers a regime has.
+A regime's device capacity never drops below the largest single call (prompt + output), or
+that call could never run; such a regime is clamped up (its record shows the real capacity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TIER_SETS = ("device", "device+host", "device+host+disk")
+HOST_RATIO = 2
+DISK_RATIO = 8
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One memory setting; None fields mean "from the profile" (the sweep's old behaviour)."""
+
+    pressure: float | None = None
+    tiers: str | None = None
+    device_tokens: int | None = None
+    host_tokens: int | None = None
+    disk_tokens: int | None = None
+
+
+def distinct_prompt_tokens(workload) -> int:
+    """Tokens of the distinct prompt blocks of a workload (each chained block id once)."""
+    size = workload.trace.block_size
+    seen: dict[int, int] = {}
+    for calls in workload.workflows:
+        for c in calls:
+            for block, tokens in zip(c.hash_ids, c.block_tokens(size)):
+                seen[block] = max(tokens, seen.get(block, 0))
+    return sum(seen.values())
+
+
+def largest_call(workload) -> int:
+    return max(c.input_length + c.output_length for calls in workload.workflows for c in calls)
+
+
+def parse_tiers(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    for n in names:
+        if n not in TIER_SETS:
+            raise ValueError(f"--tiers: unknown tier set {n!r}; expected {', '.join(TIER_SETS)} (comma-separated)")
+    return names
+
+
+def parse_pressures(value: str) -> list[float]:
+    out = []
+    for v in value.split(","):
+        try:
+            p = float(v)
+        except ValueError:
+            raise ValueError(f"--pressure: expected fractions like 0.02,0.05,0.1, got {v!r}") from None
+        if not 0 < p <= 1:
+            raise ValueError(f"--pressure: a fraction of the distinct prompt tokens in (0, 1], got {v!r}")
+        out.append(p)
+    return out
+
+
+def regimes(workload, pressures: list[float], tiers: list[str], device_tokens: int | None = None,
+            host_tokens: int | None = None, disk_tokens: int | None = None) -> list[Regime]:
+    """Every (pressure, tiers) combination for `workload`, pressures first (empty lists: one
+    regime from the given or profile capacities)."""
+    if not pressures and not tiers:
+        return [Regime(None, None, device_tokens, host_tokens, disk_tokens)]
+    if device_tokens is not None or not pressures:
+        devices = [(None, device_tokens)]
+    else:
+        total, floor = distinct_prompt_tokens(workload), largest_call(workload)
+        devices = [(p, max(floor, int(p * total))) for p in pressures]
+    out = []
+    for pressure, device in devices:
+        for t in tiers or [None]:
+            out.append(_with_tiers(pressure, t, device, host_tokens, disk_tokens))
+    return out
+
+
+def _with_tiers(pressure, tiers, device, host, disk) -> Regime:
+    if tiers is None:
+        return Regime(pressure, None, device, host, disk)
+    if device is None:  # ratios need a device size: the caller resolves the profile's
+        return Regime(pressure, tiers, None, host if "host" in tiers else 0, disk if "disk" in tiers else 0)
+    h = (host if host is not None else HOST_RATIO * device) if "host" in tiers else 0
+    d = (disk if disk is not None else DISK_RATIO * device) if "disk" in tiers else 0
+    return Regime(pressure, tiers, device, h, d)
+
+
+AUTO_SHARES = (0.06, 0.15)  # device as a share of the running workflows' working set
+# The default run: where each tier set shows differences between policies on the built-in
+# workloads (measured: with a host tier of 2x the device, the oracle gains most when the device
+# holds ~6% of the working set; with the device alone, at ~15%).
+AUTO_REGIMES = (("device", 0.15), ("device+host", 0.06))
+
+
+def workflow_tokens(workload) -> float:
+    """Mean distinct prompt tokens of one workflow (its blocks once, shared prefixes included)."""
+    size = workload.trace.block_size
+    total = 0
+    for calls in workload.workflows:
+        seen: dict[int, int] = {}
+        for c in calls:
+            for block, tokens in zip(c.hash_ids, c.block_tokens(size)):
+                seen[block] = tokens
+        total += sum(seen.values())
+    return total / max(1, len(workload.workflows))
+
+
+def auto_regimes(workload, concurrency: int | None, tiers: list[str], host_tokens: int | None = None,
+                 disk_tokens: int | None = None) -> list[Regime]:
+    """Regimes chosen from the working set of `concurrency` running workflows (concurrency x one
+    workflow's distinct prompt tokens), not from a GPU's size: `AUTO_REGIMES` when no tier set
+    is given, else both `AUTO_SHARES` for each given tier set. Pressures are reported as usual
+    (device / the replay's distinct prompt tokens)."""
+    lanes = concurrency or 16
+    total, floor = distinct_prompt_tokens(workload), largest_call(workload)
+    working = lanes * workflow_tokens(workload)
+    pairs = AUTO_REGIMES if not tiers else [(t, share) for share in AUTO_SHARES for t in tiers]
+    out = []
+    for t, share in pairs:
+        device = max(floor, int(min(1.0, share * working / total) * total))
+        out.append(_with_tiers(round(device / total, 4), t, device, host_tokens, disk_tokens))
+    return out

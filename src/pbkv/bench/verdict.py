@@ -1,0 +1,57 @@
+"""One line per workload that says what a sweep showed: pbkv against LRU, against the best peer,
+and how much of the oracle's gain it captured, in each memory regime (largest oracle gain first).
+
+    hover: pbkv 1.12x LRU, 1.09x the best peer (kvflow), 33% of the oracle's gain (1.36x)
+           [device+host, pressure 0.021, conc 64]; ...
+"""
+
+from __future__ import annotations
+
+from pbkv.bench.report import regime_of
+
+SUBJECT = "pbkv"
+REFERENCES = ("lru", "oracle")
+MIN_ORACLE_GAIN = 0.02   # below this the regime leaves nothing to capture: no share is given
+
+
+def verdicts(records: list[dict], subject: str = SUBJECT) -> list[str]:
+    out = []
+    for workload in dict.fromkeys(r["workload"] for r in records):
+        cells = _cells([r for r in records if r["workload"] == workload], subject)
+        if cells:
+            out.append(f"{workload}: " + "; ".join(_segment(c, subject) for c in cells))
+    return out
+
+
+def _cells(rows: list[dict], subject: str) -> list[dict]:
+    """Per (regime, concurrency): the subject's, best peer's and oracle's speedups over LRU."""
+    cells = []
+    for key in dict.fromkeys((regime_of(r), r["concurrency"]) for r in rows):
+        mine = [r for r in rows if (regime_of(r), r["concurrency"]) == key]
+        by = {r["policy"]: r.get("speedup_vs_lru", 1.0) for r in mine}
+        if subject not in by:
+            continue
+        peers = {p: s for p, s in by.items() if p not in REFERENCES and not p.startswith(subject)}
+        best = max(peers, key=peers.get) if peers else None
+        cells.append({"row": mine[0], "subject": by[subject], "oracle": by.get("oracle"),
+                      "peer": best, "peer_speedup": peers.get(best)})
+    return sorted(cells, key=lambda c: -(c["oracle"] or 1.0))
+
+
+def _segment(c: dict, subject: str) -> str:
+    r = c["row"]
+    text = f"{subject} {c['subject']:.2f}x LRU"
+    if c["peer"] is not None:
+        text += f", {c['subject'] / c['peer_speedup']:.2f}x the best peer ({c['peer']})"
+    oracle = c["oracle"]
+    if oracle is not None:
+        if oracle - 1.0 >= MIN_ORACLE_GAIN:
+            share = (c["subject"] - 1.0) / (oracle - 1.0)
+            text += f", {100 * share:.0f}% of the oracle's gain ({oracle:.2f}x)"
+        else:
+            text += f", the oracle gains nothing here ({oracle:.2f}x)"
+    where = [r.get("tiers") or "profile tiers"]
+    if r.get("pressure"):
+        where.append(f"pressure {r['pressure']:g}")
+    where.append(f"conc {r['concurrency'] or 'open'}")
+    return f"{text} [{', '.join(where)}]"

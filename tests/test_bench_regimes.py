@@ -1,0 +1,109 @@
+"""Memory regimes, verdict lines and the predictor cache of `pbkv bench`."""
+
+import pytest
+
+from pbkv.bench import predictors
+from pbkv.bench.regimes import (Regime, auto_regimes, distinct_prompt_tokens, largest_call, parse_pressures,
+                                parse_tiers, regimes, workflow_tokens)
+from pbkv.bench.run import Workload
+from pbkv.bench.sweep import Source, SweepConfig, finish_records, sweep_jobs
+from pbkv.bench.verdict import verdicts
+from pbkv.trace import Call, Trace, TraceMeta
+
+
+def tiny():
+    # two workflows sharing block 1; block size 16; the last block of each prompt is partial
+    calls = [Call("w0", 0, "a", 40, 4, [1, 2, 3]), Call("w0", 1, "a", 56, 4, [1, 2, 3, 4]),
+             Call("w1", 0, "a", 20, 4, [1, 5])]
+    return Workload("t", Trace(TraceMeta(block_size=16), calls))
+
+
+def test_distinct_tokens_count_each_block_once_at_its_largest():
+    wl = tiny()
+    # 1: 16, 2: 16, 3: 16 (full in w0 step 1), 4: 8, 5: 4
+    assert distinct_prompt_tokens(wl) == 60
+    assert largest_call(wl) == 60
+    assert workflow_tokens(wl) == (56 + 20) / 2
+
+
+def test_regimes_by_pressure_and_tiers():
+    wl = tiny()
+    got = regimes(wl, [0.5, 1.0], ["device", "device+host", "device+host+disk"])
+    assert [(r.pressure, r.tiers, r.device_tokens, r.host_tokens, r.disk_tokens) for r in got] == [
+        (0.5, "device", 60, 0, 0), (0.5, "device+host", 60, 120, 0), (0.5, "device+host+disk", 60, 120, 480),
+        (1.0, "device", 60, 0, 0), (1.0, "device+host", 60, 120, 0), (1.0, "device+host+disk", 60, 120, 480)]
+    # pressure 0.5 of 60 tokens is below the largest call (60): clamped up so the call can run
+    assert regimes(wl, [], []) == [Regime()]
+    # explicit capacities win: --device-tokens over pressure, --host-tokens over the ratio
+    assert regimes(wl, [0.5], ["device+host"], device_tokens=500, host_tokens=7) == [
+        Regime(None, "device+host", 500, 7, 0)]
+
+
+def test_auto_regimes_come_from_the_working_set():
+    wl = tiny()
+    got = auto_regimes(wl, 100, [])
+    assert [(r.tiers, r.device_tokens) for r in got] == [("device", 60), ("device+host", 60)]
+    assert got[1].host_tokens == 120
+
+
+def test_parsing_errors_are_clear():
+    assert parse_pressures("0.02,0.1") == [0.02, 0.1]
+    with pytest.raises(ValueError, match="--pressure: a fraction"):
+        parse_pressures("2")
+    with pytest.raises(ValueError, match="--pressure: expected fractions"):
+        parse_pressures("x")
+    with pytest.raises(ValueError, match="--tiers: unknown tier set 'gpu'"):
+        parse_tiers("device,gpu")
+
+
+def test_sweep_jobs_cross_regimes_and_speedups_are_per_regime():
+    cfg = SweepConfig(sources=[Source("hover", spec="hover", workflows=5)], policies=["lru", "arc"],
+                      concurrency=[2], pressures=[0.1, 0.2], tiers=["device"])
+    jobs = sweep_jobs(cfg)
+    assert [(j[1], j[4].pressure) for j in jobs] == [("lru", 0.1), ("arc", 0.1), ("lru", 0.2), ("arc", 0.2)]
+    base = {"workload": "w", "concurrency": 2, "tiers": "device", "mean_workflow_latency_s": 10.0,
+            "mean_ttft_s": 1.0, "device_hit_rate": 0.5}
+    recs = finish_records([{**base, "policy": "lru", "pressure": 0.1},
+                           {**base, "policy": "arc", "pressure": 0.1, "mean_workflow_latency_s": 5.0},
+                           {**base, "policy": "lru", "pressure": 0.2, "mean_workflow_latency_s": 20.0},
+                           {**base, "policy": "arc", "pressure": 0.2}])
+    assert [r.get("speedup_vs_lru") for r in recs] == [None, 2.0, None, 2.0]
+
+
+def test_verdict_line_per_workload():
+    def rec(policy, speedup, tiers, pressure):
+        r = {"workload": "hover", "policy": policy, "concurrency": 64, "tiers": tiers, "pressure": pressure,
+             "device_tokens": 100, "host_tokens": 0, "disk_tokens": 0}
+        if policy != "lru":
+            r["speedup_vs_lru"] = speedup
+        return r
+    records = [rec("lru", 1, "device", 0.05), rec("arc", 1.05, "device", 0.05), rec("pbkv", 1.1, "device", 0.05),
+               rec("oracle", 1.2, "device", 0.05),
+               rec("lru", 1, "device+host", 0.02), rec("kvflow", 1.0, "device+host", 0.02),
+               rec("pbkv", 1.0, "device+host", 0.02), rec("oracle", 1.01, "device+host", 0.02)]
+    assert verdicts(records) == [
+        "hover: pbkv 1.10x LRU, 1.05x the best peer (arc), 50% of the oracle's gain (1.20x) "
+        "[device, pressure 0.05, conc 64]; pbkv 1.00x LRU, 1.00x the best peer (kvflow), the oracle gains "
+        "nothing here (1.01x) [device+host, pressure 0.02, conc 64]"]
+
+
+def test_generated_workload_predictors_are_cached_by_workload_seed_and_code(tmp_path, monkeypatch):
+    monkeypatch.setenv("PBKV_CACHE", str(tmp_path))
+    trained = []
+
+    def fake_train(data, variant, psrc, folder, progress):
+        trained.append(folder)
+        (tmp_path / "predictors").mkdir(exist_ok=True)
+        from pathlib import Path
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "model.safetensors").write_text("x")
+        return folder
+    monkeypatch.setattr(predictors, "_train_and_save", fake_train)
+    src = Source("hover", spec="hover", workflows=10, seed=3)
+    first = predictors.prepare([src], ["pbkv"], predictors.PredictorSource(), tmp_path / "out")
+    again = predictors.prepare([src], ["pbkv"], predictors.PredictorSource(), tmp_path / "out")
+    other = predictors.prepare([Source("hover", spec="hover", workflows=10, seed=4)], ["pbkv"],
+                               predictors.PredictorSource(), tmp_path / "out")
+    assert first == again and len(trained) == 2 and first != other
+    folder = first[("hover", "fused")]
+    assert folder.startswith(str(tmp_path)) and "seed4" in folder and predictors.code_version() in folder
