@@ -39,12 +39,31 @@ def check(args: BenchArgs) -> list[str]:
     for p in args.policies:
         policy_class(p)
     load_profile(args.profile)
+    check_routers(args)
     pols = list(args.policies)
     if "lru" not in pols:
         pols.insert(0, "lru")      # every speedup is measured against LRU in the same run
     if "oracle" not in pols:
         pols.append("oracle")      # and every report shows the perfect-knowledge reference
     return pols
+
+
+def check_routers(args: BenchArgs) -> None:
+    """Several instances: simulator only, a known router and link, at least one instance."""
+    from pbkv.route import router_class
+    from pbkv.scale.links import get_link
+    if args.instances < 1:
+        raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    if args.router_runs() != [None] and args.engine != "sim":
+        raise ValueError(f"--instances/--router run the simulator only (--engine sim), not {args.engine!r}")
+    for r in args.routers:
+        router_class(r)
+    get_link(args.link)
+    get_link(args.shared_link)
+    if args.shared_tokens < 0:
+        raise ValueError(f"--shared-tokens must be >= 0, got {args.shared_tokens}")
+    if args.shared_tokens and args.router_runs() == [None]:
+        raise ValueError("--shared-tokens needs --instances or --router (a shared tier of one instance is its disk)")
 
 
 def run(args: BenchArgs, console: Console) -> list[dict]:
@@ -61,7 +80,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         doing = {"sim": "simulating", "vllm": "running vLLM"}.get(args.engine, "running the model")
         bar.update(task, description=doing, completed=0, total=len(sweep_jobs(cfg)))
         records = run_sweep(cfg, on_done=lambda r: bar.update(
-            task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"))
+            task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
+                                         + (f" {r['router']}" if "router" in r else "")))
     print_tables(records, console)
     for line in verdicts(records):
         console.print(line, markup=False, highlight=False)  # "[regime]" is text, not markup

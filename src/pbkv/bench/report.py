@@ -38,7 +38,8 @@ def tables(records: list[dict]) -> list[Table]:
             out.append((hf_table if first["engine"] == "hf" else vllm_table)(workload, rows))
             continue
         for regime in dict.fromkeys(regime_of(r) for r in rows):
-            out.append(sim_table(workload, [r for r in rows if regime_of(r) == regime]))
+            cell = [r for r in rows if regime_of(r) == regime]
+            out.append((router_table if "router" in cell[0] else sim_table)(workload, cell))
     return out
 
 
@@ -55,6 +56,26 @@ def sim_table(workload: str, rows: list[dict]) -> Table:
                   _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True),
                   _fmt(r["disk_hit_rate"], True), f"{r['recomputed_tokens'] / 1e6:.2f}",
                   f"{r['bytes_loaded'] / 1e9:.0f}", f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
+    return t
+
+
+def router_table(workload: str, rows: list[dict]) -> Table:
+    """Several simulated instances: routers side by side (per instance capacities in the title)."""
+    first = rows[0]
+    t = Table(title=f"{workload}: {first['workflows']} workflows on {first['instances']} instances ({first['link']} "
+                    f"links); KV tokens per instance device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
+                    f"disk {first['disk_tokens']:,}",
+              caption="lat/p99: workflow latency s; hit: % of prompt tokens; recomp: M tokens recomputed; "
+                      "GB moved: KV sent between instances; moves: calls placed off their workflow's last instance")
+    for col in ("conc", "router", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB moved",
+                "moves"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        t.add_row(str(r["concurrency"] or "open"), r["router"], r["policy"], _fmt(r["mean_workflow_latency_s"]),
+                  _fmt(r["p99_workflow_latency_s"]), _fmt(r["mean_ttft_s"]), _fmt(r["device_hit_rate"], True),
+                  _fmt(r["host_hit_rate"], True), _fmt(r["disk_hit_rate"], True),
+                  f"{r['recomputed_tokens'] / 1e6:.2f}", f"{r['bytes_moved_between_instances'] / 1e9:.1f}",
+                  str(r["workflow_moves"]))
     return t
 
 
@@ -110,6 +131,11 @@ def write_json(records: list[dict], path: Path) -> Path:
     return path
 
 
+def _label(r: dict) -> str:
+    """A plot line: the policy, and the router when several instances ran."""
+    return f"{r['policy']} / {r['router']}" if "router" in r else r["policy"]
+
+
 def write_plots(records: list[dict], out: Path) -> list[Path]:
     """Per workload: speedup over LRU and device hit rate against concurrency, one line per
     policy (the first memory regime's runs); with several device capacities also
@@ -134,11 +160,11 @@ def write_plots(records: list[dict], out: Path) -> list[Path]:
 
 def _concurrency_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for policy in dict.fromkeys(r["policy"] for r in rows):
-        pts = [r for r in rows if r["policy"] == policy]
+    for label in dict.fromkeys(_label(r) for r in rows):
+        pts = [r for r in rows if _label(r) == label]
         xs = [r["concurrency"] for r in pts]
-        ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=policy)
-        ax2.plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=policy)
+        ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
+        ax2.plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=label)
     ax1.set(title=f"{workload}: speedup over LRU", xlabel="concurrent workflows",
             ylabel="LRU mean workflow latency / policy's")
     ax2.set(title=f"{workload}: device hit rate", xlabel="concurrent workflows", ylabel="% of prompt tokens")

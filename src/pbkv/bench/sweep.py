@@ -35,7 +35,11 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine
                "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
                "recompute_instead_of_load", "failed_loads", "corrupt_files", "disk_files_written", "peak_rss_mb",
                # vLLM (--engine vllm) only
-               "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks")
+               "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks",
+               # several simulated instances behind a router (--instances / --router) only
+               "instances", "router", "link", "bytes_moved_between_instances", "kv_fetches", "kv_fetch_failed",
+               "workflow_moves", "max_instance_share", "shared_tier_tokens", "shared_tier_reads",
+               "bytes_from_shared_tier", "bytes_to_shared_tier")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,17 @@ class SweepConfig:
     engine: str = "sim"                              # sim | hf | vllm
     hf: HFConfig | None = None                       # the real engine's settings (engine "hf"; default HFConfig())
     vllm: VLLMConfig | None = None                   # vLLM's settings (engine "vllm"; default VLLMConfig())
+    instances: int = 1                               # simulated instances behind a router (sim only)
+    routers: list[str] = field(default_factory=list)  # pbkv.route names; empty: one instance, no router
+    link: str = "pcie4"                              # instance-to-instance KV link (pbkv.scale.links)
+    shared_tokens: int = 0                           # a shared KV tier of this many tokens (0: none)
+    shared_link: str = "nvme"                        # how instances read the shared tier
+
+    def router_runs(self) -> list[str | None]:
+        """The router of each run: None (one plain instance) unless instances or routers are set."""
+        if self.instances > 1 or self.routers:
+            return list(self.routers) or ["pbkv"]
+        return [None]
 
 
 @functools.lru_cache(maxsize=8)
@@ -84,7 +99,7 @@ def load_workload(source: Source) -> Workload:
 
 
 def _run_one(args: tuple) -> dict:
-    source, policy, concurrency, cfg, regime = args
+    source, policy, concurrency, cfg, regime, router = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         from pbkv.policy.registry import needed_predictor
@@ -103,6 +118,11 @@ def _run_one(args: tuple) -> dict:
     if cfg.engine == "hf":
         from pbkv.bench.hf_run import HFConfig, run_hf
         record = run_hf(load_workload(source), run, cfg.hf or HFConfig())
+    elif router is not None:
+        from pbkv.bench.cluster_run import simulate_cluster
+        from pbkv.scale.links import get_link
+        record = simulate_cluster(load_workload(source), run, cfg.instances, router, get_link(cfg.link),
+                                  shared_tokens=cfg.shared_tokens, shared_link=get_link(cfg.shared_link))
     else:
         record = simulate(load_workload(source), run)
     record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine,
@@ -127,9 +147,10 @@ def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> 
 
 
 def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
-    """Every run, in record order: workload, concurrency, regime, policy."""
-    return [(s, p, c, cfg, rg) for s in cfg.sources for c in cfg.concurrency
-            for rg in sweep_regimes(cfg, s, c) for p in cfg.policies]
+    """Every run, in record order: workload, concurrency, regime, router (several instances
+    only), policy."""
+    return [(s, p, c, cfg, rg, r) for s in cfg.sources for c in cfg.concurrency
+            for rg in sweep_regimes(cfg, s, c) for r in cfg.router_runs() for p in cfg.policies]
 
 
 def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
@@ -159,8 +180,8 @@ def finish_records(records: list[dict]) -> list[dict]:
     On vLLM (`engine` "vllm") the baseline is vLLM alone (policy "vllm") instead of LRU."""
     def baseline(r):
         return "vllm" if r.get("engine") == "vllm" else "lru"
-    def cell(r):
-        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers")
+    def cell(r):   # the runs a policy is compared within (same regime, instances and router, if any)
+        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r.get("router")
     lru = {cell(r): r for r in records if r["policy"] == baseline(r)}
     out = []
     for r in records:

@@ -26,6 +26,17 @@ TiersOpt = Annotated[str, typer.Option(
          "device+host+disk; 'auto': the default run's pairs with --pressure auto, else the profile's tiers.")]
 VLLMPythonOpt = Annotated[Optional[Path], typer.Option(
     help="--engine vllm: python of the venv with vLLM (default: .venv-vllm/bin/python; see docs/vllm.md).")]
+InstancesOpt = Annotated[int, typer.Option(
+    min=1, help="Simulated engine instances, each with its own cache and policy, behind --router (--engine sim; "
+                "docs/scale-out.md). 1 with no --router: one plain instance.")]
+RouterOpt = Annotated[Optional[str], typer.Option(
+    help="Routers placing calls on the instances, compared side by side (comma-separated): round-robin, "
+         "least-load, prefix, sticky, pbkv, or package.module:Class. Default with --instances > 1: pbkv.")]
+LinkOpt = Annotated[str, typer.Option(
+    help="Instance-to-instance KV link: nvlink-h100, nvlink-a6000, pcie4, rdma, tcp (pbkv.scale.links).")]
+SharedTokensOpt = Annotated[int, typer.Option(
+    min=0, help="With --instances: a KV tier of this many tokens every instance writes and reads (0: none).")]
+SharedLinkOpt = Annotated[str, typer.Option(help="How instances read the shared tier (a --link name; default nvme).")]
 
 
 def bench(
@@ -52,6 +63,11 @@ def bench(
     load_rule: LoadRuleOpt = "auto",
     threads: ThreadsOpt = 1,
     vllm_python: VLLMPythonOpt = None,
+    instances: InstancesOpt = 1,
+    router: RouterOpt = None,
+    link: LinkOpt = "pcie4",
+    shared_tokens: SharedTokensOpt = 0,
+    shared_link: SharedLinkOpt = "nvme",
     jobs: JobsOpt = 2,
     out: OutOpt = Path("results/bench"),
     json_path: JsonOpt = None,
@@ -76,6 +92,8 @@ def bench(
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
+        instances=instances, routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
+        shared_link=shared_link,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
                                   horizon=horizon or 3), **regime_args(pressure, tiers)), debug)
 

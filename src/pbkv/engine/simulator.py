@@ -72,20 +72,39 @@ class Simulator(EngineBase):
 
     def run(self) -> None:
         """Serve until no request, event or load is left."""
-        while True:
-            self._fire_events()
-            if self._waiting and self._prefill_round():
-                continue
-            if self._running:
-                self._decode_round()
-            elif self._events:
-                self.now = max(self.now, self._events.next_time())
-            elif self._waiting and self._unpin_waiting():
-                continue
-            elif self._waiting:
-                raise SimulationError(self._stuck_message(self._waiting[0]))
-            else:
-                return
+        while self.step():
+            pass
+
+    def step(self) -> bool:
+        """One turn of the serving loop (due events, then a prefill pass, a decode run, or a jump
+        to the next event); False when nothing is left. `pbkv.scale.cluster` interleaves the
+        steps of several instances on one clock."""
+        self._fire_events()
+        if self._waiting and self._prefill_round():
+            return True
+        if self._running:
+            self._decode_round()
+        elif self._events:
+            self.now = max(self.now, self._events.next_time())
+        elif self._waiting and self._unpin_waiting():
+            return True
+        elif self._waiting:
+            raise SimulationError(self._stuck_message(self._waiting[0]))
+        else:
+            return False
+        return True
+
+    def busy(self) -> bool:
+        """Whether `step` has anything to do (requests, runs or scheduled events)."""
+        return bool(self._waiting or self._running or self._events)
+
+    def load(self) -> int:
+        """Requests waiting or running (a router's view of this instance's queue)."""
+        return len(self._waiting) + len(self._running)
+
+    def queued(self) -> int:
+        """Requests waiting for admission."""
+        return len(self._waiting)
 
     # ------------------------------------------------------------------ scheduling
 

@@ -9,21 +9,16 @@ valid file with other data) raises `CorruptKV`. No pickle anywhere.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
+from pbkv.engine.kvfile import CorruptKV, load_kv, tensor_sha256  # noqa: F401  (re-exported)
+
 FORMAT = "pbkv-kv"
-
-
-class CorruptKV(RuntimeError):
-    """A disk entry cannot be read back exactly (missing, truncated, corrupt or wrong file)."""
 
 
 @dataclass(eq=False)
@@ -34,10 +29,6 @@ class DiskFile:
     data: torch.Tensor | None = None   # the host tensor until the write finished
     sha256: str | None = None          # set by the write
     error: str | None = None           # the write failed: the entry is lost
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
 def write_file(f: DiskFile) -> int:
@@ -54,15 +45,7 @@ def read_file(f: DiskFile) -> torch.Tensor:
     where = f.path.name
     if f.error is not None:
         raise CorruptKV(f"{where}: write failed ({f.error})")
-    try:
-        raw = f.path.read_bytes()
-        n = int.from_bytes(raw[:8], "little")
-        meta = json.loads(raw[8:8 + n]).get("__metadata__") or {}
-        data = st_load(raw)["kv"]
-    except FileNotFoundError:
-        raise CorruptKV(f"{where}: file missing") from None
-    except (OSError, ValueError, KeyError, AttributeError, SafetensorError, UnicodeDecodeError) as e:
-        raise CorruptKV(f"{where}: unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})") from None
+    meta, data = load_kv(f.path)
     digest = tensor_sha256(data)
     if meta.get("format") != FORMAT or digest != meta.get("sha256") or digest != f.sha256 \
             or data.dim() != 5 or data.shape[3] != f.tokens:

@@ -1,0 +1,38 @@
+"""KV tensors in safetensors files: the checksum and the parser both disk tiers share.
+
+Light on purpose (torch and safetensors only, no transformers): the shared tier
+(`pbkv.engine.shared_kv`) runs in processes that never load a model. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+
+
+class CorruptKV(RuntimeError):
+    """A disk entry cannot be read back exactly (missing, truncated, corrupt or wrong file)."""
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def load_kv(path: Path) -> tuple[dict, torch.Tensor]:
+    """(metadata, tensor "kv") of a safetensors KV file, unverified; `CorruptKV` if it is missing
+    or cannot be parsed. Callers check the checksum against what they expect."""
+    try:
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        meta = json.loads(raw[8:8 + n]).get("__metadata__") or {}
+        data = st_load(raw)["kv"]
+    except FileNotFoundError:
+        raise CorruptKV(f"{path.name}: file missing") from None
+    except (OSError, ValueError, KeyError, AttributeError, SafetensorError, UnicodeDecodeError) as e:
+        raise CorruptKV(f"{path.name}: unreadable ({str(e).splitlines()[0][:80] if str(e) else type(e).__name__})") from None
+    return meta, data

@@ -1,0 +1,187 @@
+"""A KV tier every replica can read: one directory, content-addressed, checked, bounded.
+
+Entries are per block. The key of a block is sha256(model identity, chained block hash): a
+chained hash names the whole prefix up to that block (`pbkv.engine.hf.tokens.block_hashes` is stable across
+processes), and the model identity keeps two models' KV apart in one directory. Any process
+that computes the same prefix with the same model writes the same bytes under the same key.
+
+Invariants:
+- a file is only ever seen complete: writers write a unique temp file in the same directory
+  and `os.replace` it onto the key's name (atomic on POSIX), so two processes writing one key
+  race harmlessly: the last rename wins and both contents are valid;
+- a read returns data only if the file parses, its metadata names our format, this key and
+  model, and its tensor hashes to the sha256 in its metadata; otherwise `CorruptKV` is raised
+  and the file is removed (it would fail every reader);
+- `evict` keeps the directory's KV files within `max_bytes`, removing the least recently used
+  first (reads touch a file's mtime), and removes temp files left by crashed writers.
+Time comes from the injected `clock` (seconds since the epoch, as file mtimes are).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from pbkv.engine.kvfile import CorruptKV, load_kv, tensor_sha256
+
+FORMAT = "pbkv-shared-kv"
+SUFFIX = ".safetensors"
+STALE_TEMP_S = 600.0   # a temp file this old belongs to a writer that died
+
+
+def model_identity(name: str, dtype: torch.dtype | str, layers: int, kv_heads: int, head_dim: int) -> str:
+    """What must match for KV to be interchangeable: weights, dtype and the cache's shape."""
+    return f"{name}|{dtype}|{layers}x{kv_heads}x{head_dim}"
+
+
+@dataclass
+class SharedStats:
+    puts: int = 0
+    already_present: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    evicted_files: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class SharedKVDir:
+    """The shared tier over `directory` (see the module docstring)."""
+
+    def __init__(self, directory: str | Path, model_id: str, max_bytes: int,
+                 clock: Callable[[], float] = time.time):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.model_id, self.max_bytes, self.clock = model_id, max_bytes, clock
+        self.stats = SharedStats()
+        self._names = itertools.count()
+        self._unscanned = max_bytes   # bytes written since the last scan; scan on the first put
+
+    def key(self, block_hash: int) -> str:
+        return hashlib.sha256(f"{self.model_id}\0{block_hash}".encode()).hexdigest()
+
+    def path(self, block_hash: int) -> Path:
+        k = self.key(block_hash)
+        return self.directory / k[:2] / (k + SUFFIX)
+
+    def contains(self, block_hash: int) -> bool:
+        return self.path(block_hash).is_file()
+
+    def prefix_blocks(self, hash_ids: Sequence[int]) -> int:
+        """How many leading blocks of a prompt the tier holds (chained: stop at the first miss)."""
+        n = 0
+        for h in hash_ids:
+            if not self.contains(h):
+                break
+            n += 1
+        return n
+
+    def put(self, block_hash: int, kv: torch.Tensor) -> bool:
+        """Store one block's KV; False if the key was already there (nothing written)."""
+        final = self.path(block_hash)
+        if final.is_file():
+            self.stats.already_present += 1
+            return False
+        final.parent.mkdir(exist_ok=True)
+        data = kv.detach().to("cpu").contiguous()
+        tmp = final.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._names)}"
+        meta = {"format": FORMAT, "key": self.key(block_hash), "model": self.model_id,
+                "sha256": tensor_sha256(data), "shape": json.dumps(list(data.shape))}
+        try:
+            save_file({"kv": data}, str(tmp), metadata=meta)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._touch(final)
+        size = data.numel() * data.element_size()
+        self.stats.puts += 1
+        self.stats.bytes_written += size
+        self._unscanned += size
+        if self._unscanned >= self.max_bytes // 10:
+            self.evict()
+        return True
+
+    def get(self, block_hash: int) -> torch.Tensor | None:
+        """The block's KV, verified; None if absent; `CorruptKV` (file removed) if it fails a check."""
+        path = self.path(block_hash)
+        if not path.is_file():
+            self.stats.misses += 1
+            return None
+        try:
+            meta, data = load_kv(path)
+            if meta.get("format") != FORMAT or meta.get("key") != self.key(block_hash) \
+                    or meta.get("model") != self.model_id or tensor_sha256(data) != meta.get("sha256"):
+                raise CorruptKV(f"{path.name}: checksum mismatch")
+        except CorruptKV as e:
+            if "file missing" in str(e):   # evicted by another process between the check and the read
+                self.stats.misses += 1
+                return None
+            self.stats.corrupt += 1
+            path.unlink(missing_ok=True)
+            raise
+        self._touch(path)
+        self.stats.hits += 1
+        self.stats.bytes_read += data.numel() * data.element_size()
+        return data
+
+    def get_prefix(self, hash_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Verified KV of the longest leading run of blocks the tier holds (stops at a miss)."""
+        out = []
+        for h in hash_ids:
+            kv = self.get(h)
+            if kv is None:
+                break
+            out.append(kv)
+        return out
+
+    def evict(self) -> int:
+        """Remove least recently used files until the total is within `max_bytes`; returns files removed."""
+        self._unscanned = 0
+        files, total, now = [], 0, self.clock()
+        for sub in self.directory.iterdir():
+            if not sub.is_dir():
+                continue
+            for entry in os.scandir(sub):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue   # another process removed it
+                if entry.name.startswith(".tmp-"):
+                    if now - st.st_mtime > STALE_TEMP_S:
+                        Path(entry.path).unlink(missing_ok=True)
+                    continue
+                files.append((st.st_mtime, entry.name, entry.path, st.st_size))
+                total += st.st_size
+        removed = 0
+        for _, _, path, size in sorted(files):
+            if total <= self.max_bytes:
+                break
+            Path(path).unlink(missing_ok=True)
+            total -= size
+            removed += 1
+        self.stats.evicted_files += removed
+        return removed
+
+    def _touch(self, path: Path) -> None:
+        """Set the file's mtime to the clock: recency for `evict`."""
+        now = self.clock()
+        try:
+            os.utime(path, (now, now))
+        except FileNotFoundError:
+            pass   # evicted by another process meanwhile
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.directory.glob(f"*/*{SUFFIX}"))

@@ -1,0 +1,131 @@
+"""The router interface: which replica runs a call, and whether KV moves with it.
+
+A router is a small class behind `pbkv.route.registry`. It sees each replica only through the
+`ReplicaView` protocol (an id, a load, how much of a prompt it caches, how much of a workflow's
+private KV it holds), so the same class decides for the simulator's instances and for Ray
+Serve replicas (whose views are built from their `routing_stats`).
+
+Invariants every router keeps:
+- `choose` returns a `RouteDecision` whose `replica` is the id of one of the views it was given;
+- `fetch_from`, when set, names a different replica that holds a longer cached prefix of the
+  prompt than the chosen one, and `fetch_tokens` > 0 is how many tokens to move from it;
+- with equal scores the replica holding fewer workflows wins, then the earlier view in the
+  given order (callers pass a stable order), so every decision is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+
+class NoReplicas(RuntimeError):
+    """A router was asked to choose among zero replicas."""
+
+
+@runtime_checkable
+class ReplicaView(Protocol):
+    """What a router may know about one replica (an engine instance)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def load(self) -> float:
+        """Requests queued or running on the replica."""
+
+    def cached_prefix_tokens(self, hash_ids: Sequence[int]) -> int:
+        """Tokens of the longest prefix of a prompt (chained block ids) the replica caches, any tier."""
+
+    def workflow_tokens(self, workflow_id: str) -> int:
+        """Tokens of KV the replica holds that this workflow touched (0: it holds none)."""
+
+    @property
+    def workflow_count(self) -> int:
+        """Workflows the replica holds KV of (spreads new workflows when all else is equal)."""
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """One call to place. `reuse_probability` is a predictor's estimate that the KV this call
+    leaves behind is read again by the workflow (None: unknown, treated as 1); `next_prefix`
+    is the predicted next agent's prompt prefix (chained block ids), to warm ahead of time."""
+
+    workflow_id: str
+    agent: str
+    hash_ids: tuple[int, ...]
+    input_tokens: int
+    output_tokens: int = 0
+    reuse_probability: float | None = None
+    next_prefix: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """Where a call runs. `fetch_from`/`fetch_tokens`: move this many tokens of the prompt's
+    prefix from that replica first (instead of recomputing them); `warm`: block ids of the
+    predicted next prompt to load on `replica` ahead of the next call."""
+
+    replica: str
+    fetch_from: str | None = None
+    fetch_tokens: int = 0
+    warm: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass
+class RouterConfig:
+    """Costs a router weighs, in seconds (defaults: a mid-size model on one GPU; the simulator
+    fills them from its profile). `load_penalty_tokens` is the prefix router's exchange rate:
+    one queued request costs as much as this many uncached prompt tokens. `can_fetch` False:
+    replicas cannot move KV between them (every transfer costs infinitely much)."""
+
+    prefill_s_per_token: float = 1e-4
+    transfer_s_per_token: float = 2e-6
+    transfer_latency_s: float = 1e-3
+    queue_s_per_request: float = 0.5
+    load_penalty_tokens: int = 512
+    block_size: int = 16
+    can_fetch: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens * self.prefill_s_per_token
+
+    def transfer_s(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.transfer_latency_s + tokens * self.transfer_s_per_token if self.can_fetch else math.inf
+
+
+class Router:
+    """Base class: subclasses implement `choose`; `on_workflow_end` lets stateful routers forget."""
+
+    name = "base"
+
+    def __init__(self, config: RouterConfig | None = None):
+        self.config = config or RouterConfig()
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
+        raise NotImplementedError
+
+    def on_workflow_end(self, workflow_id: str) -> None:
+        pass
+
+
+def require(replicas: Sequence[ReplicaView]) -> None:
+    if not replicas:
+        raise NoReplicas("no replicas to route to")
+
+
+def argmin(replicas: Sequence[ReplicaView], key) -> ReplicaView:
+    """The replica with the smallest `key(view)`; ties go to the one holding fewer workflows,
+    then to the earliest in `replicas`."""
+    require(replicas)
+    return min(enumerate(replicas), key=lambda iv: (key(iv[1]), iv[1].workflow_count, iv[0]))[1]
+
+
+def cached(view: ReplicaView, request: RouteRequest) -> int:
+    """Reusable prompt tokens on `view` (a prompt's last token is always computed, as engines do)."""
+    return max(0, min(view.cached_prefix_tokens(request.hash_ids), request.input_tokens - 1))

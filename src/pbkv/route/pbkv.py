@@ -1,0 +1,88 @@
+"""pbkv: place each call where it finishes soonest, counting the KV it reuses now and later.
+
+For every replica r the router estimates, in seconds (costs from `RouterConfig`):
+
+    queue(r)   = queue_s_per_request * queued(r), where queued is the view's `queued` (requests
+                 waiting for admission) when it has one, else its `load`: in continuous
+                 batching a running request hardly delays a new one, a waiting one does
+    prefill(r) = recompute of the prompt tokens r cannot reuse; if another replica s caches a
+                 longer prefix, the extra `gain` tokens are fetched from s instead, but only when
+                 transfer_s(gain) < recompute_s(gain) (moving KV must beat recomputing it)
+    strand(r)  = p * recompute_s(t) where t = the workflow's KV on its home replica (the one
+                 holding most of it) that this call leaves behind when r is not that home, and
+                 p = the predicted probability the workflow reads its KV again
+                 (`reuse_probability`, 1 when unknown). Stranded KV is charged as recomputed:
+                 later calls find it only if a router fetches it back, and meanwhile it takes
+                 space on both replicas (measured in the simulator: charging only a transfer
+                 made the router move workflows so often that it lost to `sticky`)
+
+and picks the smallest queue + prefill + strand (ties: fewer workflows held, then earliest).
+A workflow whose KV is unlikely to be reused (p near 0) is placed by load and prefix alone; one
+likely to continue stays home unless waiting there costs more than what it leaves behind.
+`warm` names the predicted next agent's prompt blocks the chosen replica lacks, so the engine
+can load them before that call comes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, require
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    fetch_from: str | None
+    fetch_tokens: int
+    reuse_tokens: int
+
+
+class PBKVRouter(Router):
+    name = "pbkv"
+
+    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
+        require(replicas)
+        local = {v.id: cached(v, request) for v in replicas}
+        home, home_tokens = self._home(request, replicas)
+        est = {v.id: self._estimate(request, v, replicas, local, home, home_tokens) for v in replicas}
+        view = argmin(replicas, lambda v: est[v.id].seconds)
+        est = est[view.id]
+        return RouteDecision(view.id, fetch_from=est.fetch_from, fetch_tokens=est.fetch_tokens,
+                             warm=self._warm(request, view),
+                             reason=f"{est.seconds:.4f}s: reuse {est.reuse_tokens}, fetch {est.fetch_tokens}, "
+                                    f"load {view.load:g}")
+
+    def _estimate(self, request, view, replicas, local, home, home_tokens) -> Estimate:
+        cfg = self.config
+        have = local[view.id]
+        source, gain = None, 0
+        for v in replicas:
+            extra = local[v.id] - have
+            if v.id != view.id and extra > gain:
+                source, gain = v.id, extra
+        if source is not None and cfg.transfer_s(gain) >= cfg.recompute_s(gain):
+            source, gain = None, 0
+        seconds = cfg.queue_s_per_request * getattr(view, "queued", view.load) + cfg.transfer_s(gain) \
+            + cfg.recompute_s(request.input_tokens - have - gain)
+        if home is not None and view.id != home:
+            left = max(0, home_tokens - (gain if source == home else 0))
+            p = 1.0 if request.reuse_probability is None else request.reuse_probability
+            seconds += p * cfg.recompute_s(left)
+        return Estimate(seconds, source, gain, have + gain)
+
+    @staticmethod
+    def _home(request, replicas) -> tuple[str | None, int]:
+        home, most = None, 0
+        for v in replicas:
+            t = v.workflow_tokens(request.workflow_id)
+            if t > most:
+                home, most = v.id, t
+        return home, most
+
+    def _warm(self, request, view) -> tuple[int, ...]:
+        if not request.next_prefix:
+            return ()
+        have = view.cached_prefix_tokens(request.next_prefix) // self.config.block_size
+        return tuple(request.next_prefix[have:])

@@ -1,0 +1,96 @@
+"""From a serving request and replicas' `routing_stats` to a pbkv router's input. No Ray here.
+
+A replica reports `ReplicaSnapshot.to_stats()` (cached block ids, workflow token counts, load)
+every few seconds; between two reports the router would be blind to what it just placed. The
+`Overlay` remembers, per replica, the prompts and workflows routed there since, so a workflow's
+second call finds its first one at once. A new report (its `seq` changed) replaces the overlay
+of that replica, so blocks the replica evicted do not linger; the overlay is also bounded
+(`max_blocks` per replica; when full it is cleared, costing routing quality until the next report).
+
+Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
+optionally `output_tokens`, `reuse_probability`, `next_prefix`); `route_request` finds that dict
+among a call's arguments and returns None for anything else (routed as plain load balancing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from pbkv.route import ReplicaSnapshot, RouteRequest
+
+
+def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest | None:
+    """The first argument (or keyword value) that is a dict with `workflow_id` and `hash_ids`."""
+    for value in list(args) + list((kwargs or {}).values()):
+        if isinstance(value, Mapping) and "workflow_id" in value and "hash_ids" in value:
+            hash_ids = tuple(int(h) for h in value["hash_ids"])
+            return RouteRequest(workflow_id=str(value["workflow_id"]), agent=str(value.get("agent", "")),
+                                hash_ids=hash_ids,
+                                input_tokens=int(value.get("input_tokens", 16 * len(hash_ids))),
+                                output_tokens=int(value.get("output_tokens", 0)),
+                                reuse_probability=value.get("reuse_probability"),
+                                next_prefix=tuple(int(h) for h in value.get("next_prefix", ())))
+    return None
+
+
+class MergedView:
+    """A replica's last report plus what was routed there since (a `ReplicaView`); reads both
+    sets per lookup instead of copying them, so a view costs O(prompt), not O(cache)."""
+
+    def __init__(self, base: ReplicaSnapshot, blocks: set[int], workflows: dict[str, int], load: float | None):
+        self.id, self.base, self.blocks, self.workflows = base.id, base, blocks, workflows
+        self.load = base.load if load is None else float(load)
+
+    def cached_prefix_tokens(self, hash_ids) -> int:
+        n = 0
+        for h in hash_ids:
+            if h not in self.base.blocks and h not in self.blocks:
+                break
+            n += 1
+        return n * self.base.block_size
+
+    def workflow_tokens(self, workflow_id: str) -> int:
+        return max(self.base.workflow_tokens(workflow_id), self.workflows.get(workflow_id, 0))
+
+    @property
+    def workflow_count(self) -> int:
+        return len(self.base.workflows.keys() | self.workflows.keys())
+
+
+@dataclass
+class Overlay:
+    """What was routed to each replica since its last report (see the module docstring)."""
+
+    max_blocks: int = 200_000
+    blocks: dict[str, set[int]] = field(default_factory=dict)
+    workflows: dict[str, dict[str, int]] = field(default_factory=dict)
+    reports: dict[str, tuple[object, ReplicaSnapshot]] = field(default_factory=dict)
+
+    def routed(self, replica: str, request: RouteRequest) -> None:
+        blocks = self.blocks.setdefault(replica, set())
+        if len(blocks) + len(request.hash_ids) > self.max_blocks:
+            blocks.clear()
+            self.workflows.pop(replica, None)
+        blocks.update(request.hash_ids)
+        wf = self.workflows.setdefault(replica, {})
+        wf[request.workflow_id] = max(wf.get(request.workflow_id, 0),
+                                      request.input_tokens + request.output_tokens)
+
+    def forget(self, replica: str) -> None:
+        self.blocks.pop(replica, None)
+        self.workflows.pop(replica, None)
+
+    def view(self, replica: str, stats: Mapping | None, load: float | None) -> MergedView:
+        """The replica's last report merged with what was routed there since; `load` (a fresher
+        queue length, e.g. Ray's cache) replaces the reported one when known. A report is parsed
+        once (per `seq`; reports without one are parsed every time)."""
+        stats = stats or {}
+        seq = stats.get("seq")
+        known = self.reports.get(replica)
+        if seq is None or known is None or known[0] != seq:
+            if seq is not None and known is not None:
+                self.forget(replica)   # a new report covers what was routed before it
+            known = (seq, ReplicaSnapshot.from_stats(dict(stats), replica_id=replica))
+            self.reports[replica] = known
+        return MergedView(known[1], self.blocks.get(replica, set()), self.workflows.get(replica, {}), load)

@@ -1,0 +1,271 @@
+"""N simulated engine instances behind a router, on one clock: the multi-instance simulator.
+
+`Cluster` is an engine for `pbkv.driver.Replay` (same `now`/`at`/`start_workflow`/`submit`/
+`end_workflow`/`run`). Each instance is a `Simulator` with its own `TieredCache` and policy
+object; a `pbkv.route` router places every call, seeing each instance through `SimView`.
+
+Time: the cluster keeps the driver's events; instances keep their own. `run` always advances
+whichever is earliest: a due driver event, or one `step` of the instance whose clock is
+behind. Before an instance steps, the next driver event is also put on that instance's queue
+(a no-op), so a decode run never jumps past the moment a call may arrive there. An instance
+that was idle is brought to the cluster's time when a call is routed to it.
+
+KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
+holds beyond what the target holds are sent over the target's inbound `Link` (transfers to one
+instance queue behind each other), inserted into the target's device tier when they arrive,
+and only then is the call submitted there. Bytes sent are counted in `stats.bytes_moved`.
+With a `SharedTier`, every finished call's prompt blocks are also written behind to it, and a
+call whose prefix the shared tier holds further than the target or the router's peer fetch
+reads the extra blocks from it when that beats recomputing them (`stats.bytes_from_shared`). If the target cannot make room
+for them (or part of the prefix sits in its host/disk tier, below which device blocks cannot
+hang), the call is submitted anyway and recomputes (the bytes still count: they were sent).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pbkv.cache import Tier
+from pbkv.engine.base import EventQueue
+from pbkv.engine.request import Request
+from pbkv.engine.simulator import Simulator
+from pbkv.route import RouteRequest, Router
+from pbkv.scale.links import Link
+
+
+class SharedTier:
+    """The simulated shared KV tier: full blocks any instance wrote, LRU-bounded in tokens; reads
+    cross `link` (its bandwidth and latency) into the reading instance."""
+
+    def __init__(self, capacity_tokens: int, link: Link, block_size: int):
+        self.capacity_blocks = capacity_tokens // block_size
+        self.link = link
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def prefix_blocks(self, hash_ids) -> int:
+        n = 0
+        for h in hash_ids:
+            if h not in self.blocks:
+                break
+            self.blocks.move_to_end(h)
+            n += 1
+        return n
+
+    def write(self, hash_ids) -> int:
+        """Store blocks (chained ids); returns how many were new."""
+        new = 0
+        for h in hash_ids:
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            else:
+                self.blocks[h] = None
+                new += 1
+        while len(self.blocks) > self.capacity_blocks:
+            self.blocks.popitem(last=False)
+        return new
+
+
+class SimView:
+    """A `pbkv.route.ReplicaView` of one simulated instance."""
+
+    def __init__(self, index: int, engine: Simulator, workflow_index: dict[str, int]):
+        self.id = str(index)
+        self.engine = engine
+        self._wf = workflow_index
+
+    @property
+    def load(self) -> float:
+        return self.engine.load()
+
+    @property
+    def queued(self) -> float:
+        return self.engine.queued()
+
+    def cached_prefix_tokens(self, hash_ids) -> int:
+        _, matched = self.engine.tree.match(list(hash_ids))
+        return matched * self.engine.block_size
+
+    def workflow_tokens(self, workflow_id: str) -> int:
+        nodes = self.engine.tree.workflow_nodes.get(self._wf.get(workflow_id, -1), {})
+        return sum(n.tokens for n in nodes.values() if n.alive)
+
+    @property
+    def workflow_count(self) -> int:
+        return len(self.engine.tree.workflow_nodes)
+
+
+@dataclass
+class ClusterStats:
+    bytes_moved: float = 0.0
+    fetches: int = 0
+    fetched_tokens: int = 0
+    fetch_failed: int = 0
+    shared_reads: int = 0
+    bytes_from_shared: float = 0.0
+    bytes_to_shared: float = 0.0
+    calls: list[int] = field(default_factory=list)   # calls routed to each instance
+    moves: int = 0                                    # calls placed off their workflow's previous instance
+
+
+class Cluster:
+    def __init__(self, instances: list[Simulator], router: Router, link: Link, kv_bytes_per_token: float,
+                 gpus_per_instance: int = 1, shared: SharedTier | None = None):
+        if not instances:
+            raise ValueError("a cluster needs at least one instance")
+        self.instances, self.router, self.link = instances, router, link
+        self.kv_bytes_per_token, self.gpus = kv_bytes_per_token, gpus_per_instance
+        self.shared = shared
+        self.stats = ClusterStats(calls=[0] * len(instances))
+        self._events = EventQueue()
+        self._t = 0.0
+        self._current: Simulator | None = None
+        self._wf_index: dict[str, int] = {}
+        self._wf_id: dict[int, str] = {}
+        self._started: dict[int, set[int]] = {}     # workflow -> instances told it started
+        self._last: dict[int, int] = {}              # workflow -> instance of its latest call
+        self._inbound_free = [0.0] * len(instances)
+        self._barrier = [math.nan] * len(instances)
+        self.views = [SimView(k, e, self._wf_index) for k, e in enumerate(instances)]
+
+    # ------------------------------------------------------------------ driver API
+
+    @property
+    def now(self) -> float:
+        return self._current.now if self._current is not None else self._t
+
+    def at(self, when: float, fn) -> None:
+        self._events.push(max(when, self.now), fn)
+
+    def start_workflow(self, workflow: int, workflow_id: str) -> None:
+        self._wf_index[workflow_id] = workflow
+        self._wf_id[workflow] = workflow_id
+        self._started[workflow] = set()
+
+    def end_workflow(self, workflow: int) -> None:
+        for k in sorted(self._started.pop(workflow, ())):
+            self.instances[k].end_workflow(workflow)
+        self._last.pop(workflow, None)
+        self.router.on_workflow_end(self._wf_id.pop(workflow, ""))
+
+    def submit(self, req: Request) -> None:
+        call = req.call
+        request = RouteRequest(workflow_id=self._wf_id.get(req.workflow, call.workflow_id), agent=call.agent,
+                               hash_ids=tuple(call.hash_ids), input_tokens=call.input_length,
+                               output_tokens=call.output_length)
+        decision = self.router.choose(request, self.views)
+        k = int(decision.replica)
+        engine = self.instances[k]
+        engine.now = max(engine.now, self.now)
+        self.stats.calls[k] += 1
+        if self._last.get(req.workflow, k) != k:
+            self.stats.moves += 1
+        self._last[req.workflow] = k
+        if k not in self._started.setdefault(req.workflow, set()):
+            self._started[req.workflow].add(k)
+            engine.start_workflow(req.workflow, request.workflow_id)
+        _, local = engine.tree.match(call.hash_ids)
+        peer = local + decision.fetch_tokens // engine.block_size if decision.fetch_from is not None else local
+        shared = self._shared_blocks(call, local, peer)
+        if shared > peer:
+            self._fetch(k, list(call.hash_ids[:shared]), req, local, self.shared.link, shared=True)
+        elif peer > local:
+            self._fetch(k, list(call.hash_ids[:peer]), req, local, self.link)
+        else:
+            engine.submit(req)
+        if self.shared is not None:
+            self._write_behind(req)
+
+    def run(self) -> None:
+        """Serve until no instance has work and no driver event is left."""
+        while True:
+            tg = self._events.next_time() if self._events else math.inf
+            busy = [(e.now, k) for k, e in enumerate(self.instances) if e.busy()]
+            if not busy and tg == math.inf:
+                return
+            ti, k = min(busy) if busy else (math.inf, -1)
+            if tg <= ti:
+                self._t = max(self._t, tg)
+                self._events.fire_due(lambda: self._t)
+                continue
+            engine = self.instances[k]
+            if tg < math.inf and self._barrier[k] != tg:
+                engine.at(tg, _noop)
+                self._barrier[k] = tg
+            self._current = engine
+            try:
+                engine.step()
+            finally:
+                self._current = None
+            self._t = max(self._t, min(ti, tg))
+
+    # ------------------------------------------------------------------ KV movement
+
+    def _fetch(self, k: int, blocks: list[int], req: Request, local: int, link: Link, shared: bool = False) -> None:
+        """Send `blocks` (a prompt's leading full blocks; the target holds the first `local`)."""
+        engine = self.instances[k]
+        tokens = (len(blocks) - local) * engine.block_size
+        nbytes = tokens * self.kv_bytes_per_token
+        start = max(self.now, self._inbound_free[k])
+        done = start + link.seconds(nbytes, self.gpus)
+        self._inbound_free[k] = done
+        if shared:
+            self.stats.shared_reads += 1
+            self.stats.bytes_from_shared += nbytes
+        else:
+            self.stats.fetches += 1
+            self.stats.fetched_tokens += tokens
+            self.stats.bytes_moved += nbytes
+        arrival = self.now
+        self.at(done, lambda: self._arrived(k, blocks, req, arrival))
+
+    def _shared_blocks(self, call, local: int, peer: int) -> int:
+        """Leading full blocks to read from the shared tier: its prefix when longer than what the
+        target or a peer transfer gives and reading it beats recomputing it; else 0."""
+        if self.shared is None:
+            return 0
+        full = call.input_length // self.instances[0].block_size
+        have = self.shared.prefix_blocks(call.hash_ids[:full])
+        extra = (have - max(local, peer)) * self.instances[0].block_size
+        if extra <= 0:
+            return 0
+        read_s = self.shared.link.seconds(extra * self.kv_bytes_per_token, self.gpus)
+        return have if read_s < self.router.config.recompute_s(extra) else 0
+
+    def _write_behind(self, req: Request) -> None:
+        """When the call ends, its prompt's full blocks go to the shared tier (write-behind: the
+        copy overlaps with compute, counted in bytes, not in time)."""
+        done = req.on_done
+
+        def on_done(r: Request) -> None:
+            full = r.call.input_length // self.instances[0].block_size
+            written = self.shared.write(r.call.hash_ids[:full])
+            self.stats.bytes_to_shared += written * self.instances[0].block_size * self.kv_bytes_per_token
+            done(r)
+        req.on_done = on_done
+
+    def _arrived(self, k: int, blocks: list[int], req: Request, arrival: float) -> None:
+        engine = self.instances[k]
+        engine.now = max(engine.now, self._t)
+        node, have = engine.tree.match(blocks)
+        missing = (len(blocks) - have) * engine.block_size
+        cache = engine.cache
+        # device blocks may only hang below device nodes: if part of the prefix sits in the
+        # target's host or disk tier, the call loads that part itself and recomputes the rest
+        if missing > 0 and (have == 0 or node.tier == Tier.DEVICE):
+            engine.tree.lock(node)   # making room must not evict the path the blocks extend
+            if cache.reserve(missing):
+                _, added = cache.insert(blocks, engine.block_size, engine.now)
+                cache.release(missing - added)
+            else:
+                self.stats.fetch_failed += 1
+            engine.tree.unlock(node)
+        elif missing > 0:
+            self.stats.fetch_failed += 1
+        engine.submit(req)
+        req.arrival = arrival   # the call waited for its KV: that wait is part of its latency
+
+
+def _noop() -> None:
+    pass

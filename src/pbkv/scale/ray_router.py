@@ -1,0 +1,69 @@
+"""pbkv's routers as a Ray Serve `RequestRouter` (needs `pbkv[scale]`: ray[serve]).
+
+Use it on a deployment whose replicas define `record_routing_stats` returning
+`ReplicaSnapshot.to_stats()` (plus a changing `seq`), and whose requests carry pbkv hints
+(see `pbkv.scale.adapter`):
+
+    RequestRouterConfig(request_router_class="pbkv.scale.ray_router:PBKVRequestRouter",
+                        request_router_kwargs={"router": "pbkv", "config": {...RouterConfig fields}},
+                        request_routing_stats_period_s=1.0)
+
+`choose_replicas` returns the replica the pbkv router chose as the only rank, so Ray waits
+(with backoff) for that replica when it is full or slow to report its queue, instead of
+breaking the affinity the router chose; a replica that died is no longer a candidate, so its
+calls are placed again. With `fallback=True` every other replica forms a second rank (Ray then
+takes the least-loaded of them when the chosen one does not answer in time). A request without
+hints goes to every candidate at once (Ray's least-queue choice).
+Loads come from Ray's queue-length cache when it has a fresh entry, else from the report.
+Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
+needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
+Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from pbkv.route import RouterConfig, make_router
+from pbkv.scale.adapter import Overlay, route_request
+
+
+class PBKVRequestRouter(RequestRouter):
+    def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
+        self.fallback = fallback
+        self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
+        self.overlay = Overlay()
+        self.decisions: dict[str, int] = {}
+
+    def _views(self, candidates: List[RunningReplica]):
+        cache = self.replica_queue_len_cache
+        views = []
+        for r in sorted(candidates, key=lambda r: r.replica_id.unique_id):
+            rid = r.replica_id.unique_id
+            views.append(self.overlay.view(rid, r.routing_stats, cache.get(r.replica_id)))
+        return views
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not hasattr(self, "pbkv_router"):   # Ray did not call initialize_state (no kwargs given)
+            self.initialize_state()
+        request = None if pending_request is None else route_request(pending_request.args, pending_request.kwargs)
+        if request is None or not candidate_replicas:
+            return [candidate_replicas]
+        decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
+        chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
+        rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
+        return [chosen, rest] if rest and self.fallback else [chosen]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
+        request = route_request(pending_request.args, pending_request.kwargs)
+        if request is not None:
+            rid = replica_id.unique_id
+            self.overlay.routed(rid, request)
+            self.decisions[rid] = self.decisions.get(rid, 0) + 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        self.overlay.forget(replica_id.unique_id)
+        super().on_replica_actor_died(replica_id)

@@ -1,0 +1,93 @@
+"""Several simulated instances behind a router (`pbkv bench --instances N --router ...`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from pbkv.bench.cluster_run import simulate_cluster
+from pbkv.bench.run import RunConfig, simulate
+from pbkv.bench.sweep import Source, load_workload
+from pbkv.cache import CacheConfig
+from pbkv.cli import app
+from pbkv.engine.profiles import load_profile
+from pbkv.scale.links import Link, get_link
+
+WL = Source(name="hover", spec="hover", workflows=24, seed=0)
+
+
+def cfg(policy="lru", concurrency=8):
+    return RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
+                     cache=CacheConfig(20000, 20000, 100000))
+
+
+def test_one_instance_cluster_is_the_plain_simulator_exactly():
+    one = simulate(load_workload(WL), cfg())
+    for router in ("round-robin", "pbkv"):
+        c = simulate_cluster(load_workload(WL), cfg(), 1, router, get_link("pcie4"))
+        assert {k: c[k] for k in one if k not in ("policy_seconds", "policy_overhead")} == \
+               {k: v for k, v in one.items() if k not in ("policy_seconds", "policy_overhead")}
+        assert (c["instances"], c["router"], c["bytes_moved_between_instances"]) == (1, router, 0.0)
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-load", "prefix", "sticky", "pbkv"])
+def test_every_call_is_served_once_and_every_token_accounted(router):
+    wl = load_workload(WL)
+    r = simulate_cluster(wl, cfg(), 3, router, get_link("pcie4"))
+    calls = [c for w in wl.workflows for c in w]
+    assert (r["workflows"], r["calls"], r["prompt_tokens"]) == (24, len(calls), sum(c.input_length for c in calls))
+    hit = (r["device_hit_rate"] + r["host_hit_rate"] + r["disk_hit_rate"]) * r["prompt_tokens"]
+    assert round(hit) + r["recomputed_tokens"] == r["prompt_tokens"]
+    if router == "sticky":
+        assert r["workflow_moves"] == 0
+    assert (r["kv_fetches"] == 0) == (r["bytes_moved_between_instances"] == 0)
+    if router != "pbkv":
+        assert r["kv_fetches"] == 0
+
+
+def test_fetching_over_a_link_costs_time_and_counts_bytes():
+    wl = load_workload(WL)
+    fast = simulate_cluster(wl, cfg(concurrency=16), 2, "pbkv", Link("fast", 1e6, 0.0))
+    slow = simulate_cluster(wl, cfg(concurrency=16), 2, "pbkv", Link("slow", 1e-3, 1.0))
+    assert fast["kv_fetches"] > 0 and fast["bytes_moved_between_instances"] > 0
+    assert slow["kv_fetches"] == 0        # a link slower than recomputing is never used
+
+
+def test_bench_cli_compares_routers_side_by_side(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--workload", "hover", "--workflows", "12", "--concurrency", "4",
+                                 "--policies", "lru", "--instances", "2", "--router", "round-robin,pbkv", "--device-tokens", "40000",
+                                 "--out", str(tmp_path), "--jobs", "1"])
+    assert r.exit_code == 0, r.output
+    assert "on 2 instances (pcie4 links)" in r.output
+    records = json.loads((tmp_path / "bench.json").read_text())
+    assert [(x["router"], x["policy"]) for x in records] == [("round-robin", "lru"), ("round-robin", "oracle"),
+                                                             ("pbkv", "lru"), ("pbkv", "oracle")]
+    assert all(x["instances"] == 2 and "bytes_moved_between_instances" in x for x in records)
+    assert "speedup_vs_lru" in records[1] and "speedup_vs_lru" in records[3]
+
+
+def test_bench_cli_router_errors(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--instances", "2", "--router", "nope", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "unknown router 'nope'" in r.output
+    r = CliRunner().invoke(app, ["bench", "--instances", "2", "--link", "carrier-pigeon", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "unknown link 'carrier-pigeon'" in r.output
+    r = CliRunner().invoke(app, ["bench", "--instances", "2", "--engine", "hf", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--engine sim" in r.output
+
+
+def test_a_shared_tier_lets_any_instance_reuse_what_another_computed():
+    wl = load_workload(WL)
+    plain = simulate_cluster(wl, cfg(), 4, "round-robin", get_link("pcie4"))
+    shared = simulate_cluster(wl, cfg(), 4, "round-robin", get_link("pcie4"), shared_tokens=10**6,
+                              shared_link=get_link("nvme"))
+    assert shared["shared_tier_reads"] > 0 and shared["bytes_from_shared_tier"] > 0
+    assert shared["bytes_to_shared_tier"] > 0 and shared["shared_tier_tokens"] == 10**6
+    assert shared["recomputed_tokens"] < plain["recomputed_tokens"]
+    assert "shared_tier_reads" not in plain
+
+
+def test_bench_cli_shared_tier_needs_instances(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "--shared-tokens", "1000", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--shared-tokens needs --instances" in r.output

@@ -1,0 +1,47 @@
+"""The Ray-free half of the Ray Serve router: hints from requests, reports merged with the overlay."""
+
+from __future__ import annotations
+
+from pbkv.route import ReplicaSnapshot, RouteRequest, make_router
+from pbkv.scale.adapter import Overlay, route_request
+
+
+def test_route_request_finds_the_hints_dict():
+    assert route_request(["plain text"], {}) is None
+    r = route_request([], {"body": {"workflow_id": 7, "agent": "coder", "hash_ids": [1, "2"], "input_tokens": 20,
+                                    "next_prefix": [9]}})
+    assert r == RouteRequest("7", "coder", (1, 2), 20, next_prefix=(9,))
+    assert route_request([{"workflow_id": "w", "hash_ids": [1, 2, 3]}]).input_tokens == 48
+
+
+def test_overlay_remembers_routed_calls_until_the_next_report():
+    o = Overlay()
+    req = RouteRequest("w", "a", (1, 2), 30, output_tokens=5)
+    report = ReplicaSnapshot("x", load=2, blocks=frozenset({9})).to_stats() | {"seq": 1}
+    assert o.view("x", report, None).cached_prefix_tokens([9]) == 16
+    o.routed("x", req)
+    v = o.view("x", report, load=0)
+    assert v.cached_prefix_tokens([1, 2, 9, 3]) == 48 and v.workflow_tokens("w") == 35 and v.load == 0
+    assert v.workflow_count == 1
+    v = o.view("x", report | {"seq": 2}, None)                      # a new report replaces the overlay
+    assert (v.cached_prefix_tokens([1]), v.cached_prefix_tokens([9]), v.load) == (0, 16, 2)
+    y = o.view("y", None, None)
+    assert (y.id, y.load, y.workflow_count, y.cached_prefix_tokens([1])) == ("y", 0, 0, 0)
+
+
+def test_overlay_is_bounded():
+    o = Overlay(max_blocks=3)
+    o.routed("x", RouteRequest("w", "a", (1, 2), 32))
+    o.routed("x", RouteRequest("v", "a", (3, 4), 32))
+    assert o.blocks["x"] == {3, 4} and o.workflows["x"] == {"v": 32}
+
+
+def test_a_workflow_follows_its_first_call_before_any_report():
+    o, router = Overlay(), make_router("pbkv")
+    first = RouteRequest("w", "a", (1, 2, 3), 48)
+    views = [o.view(r, {}, 0) for r in ("r0", "r1")]
+    assert router.choose(first, views).replica == "r0"
+    o.routed("r0", first)
+    o.routed("r1", RouteRequest("other", "a", (7,), 16))
+    second = RouteRequest("w", "a", (1, 2, 3, 4), 64)
+    assert router.choose(second, [o.view(r, {}, 0) for r in ("r1", "r0")]).replica == "r0"
