@@ -131,5 +131,13 @@ class Policy:
     def prefetch(self, request: PrefetchRequest) -> list[Node]:
         return []
 
+    def refresh_live(self, nodes: dict[int, Node]) -> None:
+        """Re-rank every live node of an index the policy keeps (node id -> node), dropping the
+        entries of nodes that left the tree."""
+        for node_id in [i for i, n in nodes.items() if not n.alive]:
+            del nodes[node_id]
+        for node in nodes.values():
+            self.cache.refresh(node)
+
 
 PolicyFactory = Callable[[PolicyContext], Policy]

@@ -114,9 +114,5 @@ class KVFlowPolicy(Policy):
     def _refresh_agent(self, agent: str) -> None:
         bit = self.cache.tree.agent_ids.get(agent)
         nodes = self.fixed_by_agent.get(bit)
-        if not nodes:
-            return
-        for node_id in [i for i, n in nodes.items() if not n.alive]:
-            del nodes[node_id]
-        for node in nodes.values():
-            self.cache.refresh(node)
+        if nodes:
+            self.refresh_live(nodes)
