@@ -231,6 +231,9 @@ class PBKVPolicy(Policy):
             self._apply_trust()
 
     def _observe_match(self, node: Node) -> None:
+        """Record whether the call's cached path reused retired cache; when that switches
+        retired-first off or back on, every candidate's class changes: re-rank all tiers."""
+        was = self.monitor.retired_first
         retired = 0
         root = self.cache.tree.root
         while node is not root:
@@ -240,6 +243,8 @@ class PBKVPolicy(Policy):
                 self.common[node.id] = node
             node = node.parent
         self.monitor.record_match(retired)
+        if self.monitor.retired_first != was:
+            self._refresh_all()
 
     def _apply_trust(self) -> None:
         level = round(self.monitor.trust * TRUST_STEPS)
@@ -247,9 +252,13 @@ class PBKVPolicy(Policy):
             self.level = level
             fine = self.next_use.timing.step / FINE_BUCKETS
             self.bucket = None if level == TRUST_STEPS else fine * 2 ** (TRUST_STEPS - level)
-            for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-                for node in self.cache.candidates(tier):
-                    self.cache.refresh(node)
+            self._refresh_all()
+
+    def _refresh_all(self) -> None:
+        """Re-rank every eviction candidate of every tier (a ranking rule changed)."""
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            for node in self.cache.candidates(tier):
+                self.cache.refresh(node)
 
     def _learn(self, workflow: int) -> None:
         self.learner.add(self.history[workflow], self.contexts[workflow])
