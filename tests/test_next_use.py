@@ -126,3 +126,24 @@ def test_readers_are_learned_from_the_paths_calls_arrive_on():
     assert pol.next_use.readers == {"a": {"c"}}
     # one conversation: a's cache ("Ca") is read by the next call, of a (PLAN: a next) or c
     assert pol.next_use.of(cache.tree.match(ids("Ca"))[0])[1] == 1.0
+
+
+def test_a_common_node_is_discounted_by_its_share_of_workflows():
+    from types import SimpleNamespace
+    nu, probs, survival = estimator()
+    nu.scores.bind({"a": 0, "b": 1})
+    nu.update(1, "b", 10.0, probs, survival, pending=False)
+    nu.scores.workflows_seen = 40
+    step = nu.timing.step
+    a_first, a_p = nu.first[0], nu.pmax[0]
+    # read by every workflow so far (a framework preamble): the earliest call of a reads it
+    preamble = SimpleNamespace(seen_workflows=40, agent_mask=0b01, wf_agents={})
+    assert nu.of(preamble) == pytest.approx((a_first, a_p))
+    # shared by 4 of 40 workflows: common, but a running workflow reads it only a tenth as
+    # often; 9 mean steps later, probability scaled by .1
+    rare = SimpleNamespace(seen_workflows=4, agent_mask=0b01, wf_agents={})
+    assert nu.scores.is_common(rare)
+    assert nu.of(rare) == pytest.approx((a_first + 9 * step, 0.1 * a_p))
+    # ... unless an active workflow used it itself: its own prediction counts in full
+    mine = SimpleNamespace(seen_workflows=4, agent_mask=0b01, wf_agents={1: 0b01})
+    assert nu.of(mine) == pytest.approx((nu.when[1][0], nu.prob[1][0]))

@@ -186,6 +186,39 @@ def test_retired_guard_turns_off_when_ended_cache_is_reused():
     assert pol.scores.is_retired(last) and pol.priority(last)[0] == 1  # no longer "retired first"
 
 
+def _index_matches_priority(cache, pol, tier=Tier.DEVICE):
+    """The eviction index's order equals the order the policy's current keys give."""
+    stored = cache.candidates(tier)
+    return stored == sorted(stored, key=lambda n: (pol.priority(n), n.id))
+
+
+def test_retired_guard_flip_reranks_nodes_already_in_the_index():
+    cache, pol, _ = make({}, device=5000)
+    # workflows 1..4 end with private cache (retired, ranked first); then chat-like workflows
+    # reuse ended cache until retired-first switches off: the early retired nodes, untouched
+    # since, must leave class 0 at that moment (not keep their stale keys)
+    for wf in range(1, 5):
+        pol.on_workflow_start(wf, f"w{wf}")
+        call(cache, pol, f"x{wf}", float(wf), wf, "a", 0)
+        pol.on_workflow_end(wf, cache.end_workflow(wf))
+    prompt, wf = "p", 4
+    while pol.monitor.retired_first and wf < 100:
+        wf += 1
+        prompt += "q"
+        pol.on_workflow_start(wf, f"w{wf}")
+        call(cache, pol, prompt, float(wf), wf, "a", 0)
+        pol.on_workflow_end(wf, cache.end_workflow(wf))
+    early = cache.tree.match(ids("x1"))[0]
+    assert pol.priority(early)[0] == 1 and _index_matches_priority(cache, pol)
+    # fresh workflows that reuse nothing retired bring the guard back on: re-ranked again
+    while not pol.monitor.retired_first and wf < 1000:
+        wf += 1
+        pol.on_workflow_start(wf, f"w{wf}")
+        call(cache, pol, chr(0x4E00 + wf), float(wf), wf, "a", 0)   # a prompt of its own
+        pol.on_workflow_end(wf, cache.end_workflow(wf))
+    assert pol.priority(early)[0] == 0 and _index_matches_priority(cache, pol)
+
+
 def test_unknown_agent_and_no_predictor_errors():
     cache, pol, pred = make({})
     pol.on_workflow_start(1, "w1")

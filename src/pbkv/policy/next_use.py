@@ -19,14 +19,21 @@ d and g are per-agent call durations (call arrival to end, queueing included) an
 horizon": one mean step past the horizon, stretched by 1 / s_K because a workflow that is likely
 to end is unlikely ever to come back (a node of a dying workflow is as good as dead).
 
-A node's next use is the earliest over the (workflow, agent) pairs that may read it: for an
-ordinary node, the active workflows that used it, with their agents; for a *common* node
-(`ReuseScores.is_common`), every active workflow with the agents that ever used the node. Its
-reuse probability is the largest p over the same pairs. Times are absolute (seconds on the
+A node's next use is the earliest over the (workflow, agent) pairs that may read it: the
+active workflows that used it, with their agents; and for a *common* node
+(`ReuseScores.is_common`), also every active workflow with the agents that ever used the node,
+discounted by the node's share of workflows so far (share = workflows that used it / workflows
+seen): the earliest such call reads it only with that probability, so its expected next use
+is pushed back by (1/share - 1) mean steps and its probability scaled by share. A framework
+preamble every workflow reads (share ~1) is next used at once; a prefix that a few workflows
+happened to share is not treated as if every running workflow were about to read it (issue
+11, bfcl: prefixes shared by 3 of 51 workflows held device and host as "about to be read" and
+live private cache was recomputed instead; LRU let them age out). Times are absolute (seconds on the
 engine's clock), so keys computed at different moments stay comparable.
 
 Invariant: a node's next use is never later than any descendant's (its tags contain theirs, and
-a common node's ancestors are common), so a prefix is never ranked below its suffixes.
+a common node's ancestors are common with at least its share), so a prefix is never ranked
+below its suffixes.
 """
 
 from __future__ import annotations
@@ -172,11 +179,19 @@ class NextUse:
         if not scores.classes:
             return INF, 0.0
         scores._extend_bits()
+        best, p = self._private(node)
         if scores.is_common(node):
             cls = scores._classes_in(node.agent_mask)
-            if not cls or len(self.first) != len(scores.classes):
-                return INF, 0.0
-            return min(self.first[c] for c in cls), max(self.pmax[c] for c in cls)
+            if cls and len(self.first) == len(scores.classes):
+                # any active workflow may read it, but only as often as workflows did so far
+                share = min(1.0, node.seen_workflows / max(1, scores.workflows_seen))
+                when = min(self.first[c] for c in cls) + (1.0 / share - 1.0) * self.timing.step
+                best, p = min(best, when), max(p, share * max(self.pmax[c] for c in cls))
+        return best, p
+
+    def _private(self, node: Node) -> tuple[float, float]:
+        """Next use and reuse probability over the active workflows that used `node`."""
+        scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)
         for w, mask in node.wf_agents.items():

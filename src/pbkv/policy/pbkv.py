@@ -8,9 +8,10 @@ node):
   3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
      predictions: expected next-use time, in seconds, from the K-step agent distributions,
      survival, and per-agent call durations and tool waits learned online), ties by LRU.
-Admission (`keep_on_evict`): an evicted node fills free space in the tier below; when that
-tier is full it goes there only if it outranks the tier's next victim (else the write would
-evict something worth more), so retired and predicted-dead nodes never displace anything.
+Admission (`keep_on_evict`, `admission.py`): an evicted node fills free space below; when the
+tiers below are full it goes down only if it outranks what the write would finally push out of
+the cache (the lowest-ranked victim of the cascade), so retired and predicted-dead nodes never
+displace anything live, and a live node is not dropped while retired cache sits below.
 Why one rule at every tier: with a host tier under pressure, what the host keeps and drops
 decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
 Prefetch: `conservative_prefetch.py`, ranked by the one-step reuse value (`reuse_score.py`).
@@ -37,7 +38,7 @@ Variants (ablations): `pbkv-retired` (retired first, then LRU), `pbkv-noprefetch
 from __future__ import annotations
 
 from pbkv.cache import Node, Tier
-from pbkv.policy import conservative_prefetch
+from pbkv.policy import admission, conservative_prefetch
 from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
 import math
 
@@ -106,16 +107,12 @@ class PBKVPolicy(Policy):
         return (2, -when, node.last_access)
 
     def keep_on_evict(self, node: Node) -> bool:
-        """Write `node` down a tier into free space, or over the tier's next victim when it
-        outranks it: a retired or predicted-dead node never displaces a live one (free space
-        costs nothing to fill, and a wrong "dead" guess then costs a load, not a recompute)."""
+        """Write `node` down a tier unless what the write finally pushes out of the cache
+        outranks it (`admission.py`): retired and predicted-dead nodes never displace live
+        ones, and a live node is dropped only when everything it would displace is worth more."""
         if not self.use_scores or self.level == 0:
             return True
-        below = Tier(node.tier + 1)
-        if self.cache.free(below) >= node.tokens:
-            return True
-        victim = self.cache.next_victim(below)
-        return victim is None or self.priority(node) > self.priority(victim)
+        return admission.worth_writing(self.cache, node, self.priority)
 
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
@@ -231,6 +228,9 @@ class PBKVPolicy(Policy):
             self._apply_trust()
 
     def _observe_match(self, node: Node) -> None:
+        """Record whether the call's cached path reused retired cache; when that switches
+        retired-first off or back on, every candidate's class changes: re-rank all tiers."""
+        was = self.monitor.retired_first
         retired = 0
         root = self.cache.tree.root
         while node is not root:
@@ -240,6 +240,8 @@ class PBKVPolicy(Policy):
                 self.common[node.id] = node
             node = node.parent
         self.monitor.record_match(retired)
+        if self.monitor.retired_first != was:
+            self._refresh_all()
 
     def _apply_trust(self) -> None:
         level = round(self.monitor.trust * TRUST_STEPS)
@@ -247,9 +249,13 @@ class PBKVPolicy(Policy):
             self.level = level
             fine = self.next_use.timing.step / FINE_BUCKETS
             self.bucket = None if level == TRUST_STEPS else fine * 2 ** (TRUST_STEPS - level)
-            for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-                for node in self.cache.candidates(tier):
-                    self.cache.refresh(node)
+            self._refresh_all()
+
+    def _refresh_all(self) -> None:
+        """Re-rank every eviction candidate of every tier (a ranking rule changed)."""
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            for node in self.cache.candidates(tier):
+                self.cache.refresh(node)
 
     def _learn(self, workflow: int) -> None:
         self.learner.add(self.history[workflow], self.contexts[workflow])
