@@ -170,7 +170,7 @@ class ServerThread:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self._thread.join(30)
+        self._thread.join(180)  # shutdown saves the predictor after a last retrain: slow on a busy machine
         self.sock.close()
 
     def __enter__(self) -> "ServerThread":
