@@ -2,7 +2,9 @@
 
 Each file is a complete, valid trace (`pbkv.trace.read_trace` accepts it): the metadata line, then
 whole workflow runs, each written at once when the run ends, its calls in step order (steps
-0..n-1), the last one with `done: true`. Lines come from `pbkv.trace.io`'s serialisers. A file is
+0..n-1), the last one with `done: true`. Lines come from `pbkv.trace.io`'s serialisers. A run's
+lines go to the file in one unbuffered `write` call, so a server killed at any moment (kill -9)
+leaves every file readable: a run is in it whole or not at all. A file is
 closed and the next begun after `rotate_calls` calls, so `pbkv train --trace DIR/*.jsonl` can use
 finished files while the server keeps recording.
 
@@ -15,6 +17,7 @@ the server's `record_id`s, so two runs under one client id never collide in a fi
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -46,9 +49,8 @@ class TraceRecorder:
         with self._lock:
             if self._fh is None or self._in_file >= self.rotate_calls:
                 self._open()
-            for call in calls:
-                self._fh.write(json.dumps(call_to_dict(call), separators=(",", ":")) + "\n")
-            self._fh.flush()
+            text = "".join(json.dumps(call_to_dict(c), separators=(",", ":")) + "\n" for c in calls)
+            _write_all(self._fh, text.encode("utf-8"))
             self._in_file += len(calls)
             self.calls += len(calls)
 
@@ -62,9 +64,17 @@ class TraceRecorder:
         if self._fh is not None:
             self._fh.close()
         path = self.folder / f"calls-{self.session}-{len(self.files):05d}.jsonl"
-        self._fh = open(path, "w", encoding="utf-8")
+        self._fh = open(path, "wb", buffering=0)
         meta = TraceMeta(block_size=self.block_size, source=f"pbkv serve ({self.model})",
                          notes="served calls; hash_ids are chained hashes of the prompt's token ids")
-        self._fh.write(json.dumps(meta_to_dict(meta), separators=(",", ":")) + "\n")
+        _write_all(self._fh, (json.dumps(meta_to_dict(meta), separators=(",", ":")) + "\n").encode("utf-8"))
         self.files.append(path)
         self._in_file = 0
+
+
+def _write_all(fh, data: bytes) -> None:
+    """One `write` system call for the whole of `data` (a regular file takes it whole unless the
+    disk is full; the loop only covers that short write)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fh.fileno(), view):]
