@@ -10,7 +10,8 @@ oracle's schedule, the cache, the driver, the shared figures of the record) is t
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from pbkv.cache import Capacities, RadixTree, Tier, TieredCache
 from pbkv.driver import Recorder, Replay
@@ -22,28 +23,28 @@ if TYPE_CHECKING:
     from pbkv.bench.run import RunConfig, Workload
 
 
-class EngineSetup:
+class EngineSetup(ABC):
     """What one engine brings to a run. Subclasses set `kv_bytes_per_token` and implement
     `capacities`, `call_seconds` and `make_engine`; `close` and `record` are optional."""
 
     kv_bytes_per_token: float
 
+    @abstractmethod
     def capacities(self, workload: Workload, cfg: RunConfig) -> Capacities:
         """Device/host/disk tokens for this run (each engine has its own defaults)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def call_seconds(self, call: Call) -> float:
         """A rough duration of `call`, for the oracle's schedule (`policy.future.Future`)."""
-        raise NotImplementedError
 
     def token_costs(self) -> tuple[float | None, float | None]:
         """Seconds to recompute one token and to load one back from host (None: unknown; the
         policies that weigh them use their defaults)."""
         return None, None
 
+    @abstractmethod
     def make_engine(self, cache: TieredCache, policy: Policy):
         """The engine serving this run over `cache` (it binds `policy`)."""
-        raise NotImplementedError
 
     def close(self, engine) -> None:
         """Release what the engine holds (files, threads); called even when the run failed."""

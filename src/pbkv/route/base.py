@@ -16,6 +16,7 @@ Invariants every router keeps:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -99,7 +100,7 @@ class RouterConfig:
         return self.transfer_latency_s + tokens * self.transfer_s_per_token if self.can_fetch else math.inf
 
 
-class Router:
+class Router(ABC):
     """Base class: subclasses implement `choose`; `on_workflow_end` lets stateful routers forget."""
 
     name = "base"
@@ -107,8 +108,9 @@ class Router:
     def __init__(self, config: RouterConfig | None = None):
         self.config = config or RouterConfig()
 
+    @abstractmethod
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
-        raise NotImplementedError
+        """Where `request` goes among `replicas` (at least one)."""
 
     def on_workflow_end(self, workflow_id: str) -> None:
         pass
