@@ -17,10 +17,12 @@ IDENT = instance_identity("org/model", None, "float32", "auto", BS, "sha256", 0,
 
 
 def test_keys_are_shared_only_when_vllm_hashes_are_stable():
-    assert "PYTHONHASHSEED is not set" in key_problem("sha256", {})
-    assert "not collision-resistant" in key_problem("xxhash", {"PYTHONHASHSEED": "0"})
-    assert key_problem("sha256_cbor", {"PYTHONHASHSEED": "0"}) is None
-    assert key_problem("sha256", {"PYTHONHASHSEED": "random"}) is None   # vLLM hashes the string itself
+    assert "PYTHONHASHSEED is not set" in key_problem("sha256", {}, fixed_default_seed=False)
+    assert key_problem("sha256", {}, fixed_default_seed=True) is None     # vllm 0.32: a fixed seed
+    for fixed in (False, True):
+        assert "not collision-resistant" in key_problem("xxhash", {"PYTHONHASHSEED": "0"}, fixed)
+        assert key_problem("sha256_cbor", {"PYTHONHASHSEED": "0"}, fixed) is None
+        assert key_problem("sha256", {"PYTHONHASHSEED": "random"}, fixed) is None   # vLLM hashes the string
     other = {instance_identity("org/model", None, "float32", "auto", BS, "sha256", 1, 2),
              instance_identity("org/model", None, "float32", "auto", BS, "sha256_cbor", 0, 1),
              instance_identity("org/model", "v2", "float32", "auto", BS, "sha256", 0, 1),
@@ -97,7 +99,7 @@ def test_a_corrupt_shared_block_fails_its_load_so_vllm_recomputes_it(tmp_path):
     assert b.store.failed == {5} and not path.exists()   # reported to vLLM; the bad file is gone
 
 
-@pytest.mark.parametrize("seed_env", [{}, {"PYTHONHASHSEED": "0"}])
-def test_key_problem_names_the_fix(seed_env):
-    problem = key_problem("xxhash_cbor", seed_env)
-    assert problem is not None and ("PYTHONHASHSEED=0" in problem or "sha256" in problem)
+@pytest.mark.parametrize("algo, env", [("xxhash_cbor", {}), ("xxhash", {"PYTHONHASHSEED": "0"}), ("sha256", {})])
+def test_key_problem_names_the_fix(algo, env):
+    problem = key_problem(algo, env, fixed_default_seed=False)
+    assert "PYTHONHASHSEED=0" in problem or "use sha256 or sha256_cbor" in problem

@@ -11,9 +11,9 @@ Extra config (all optional): `policy` (a pbkv policy name, default "lru" without
 of vLLM's GPU prefix cache; default vLLM's whole pool), `host_tokens` (RAM tier, default 4 x
 device), `disk_tokens` (default 0: no disk tier), `disk_dir`, `steer_gpu` (default true: see
 `gpu_pool.py`), `stats_path` (a JSON file rewritten as requests finish), `shared_dir` (a directory
-of KV blocks shared by every instance of the same model, keyed by vLLM's block hashes: needs the
-same PYTHONHASHSEED on every instance and a sha256 `prefix_caching_hash_algo`, else the
-connector refuses to start; see `shared.py`) and `shared_bytes` (its bound, default 8 GiB).
+of KV blocks shared by every instance of the same model, keyed by vLLM's block hashes: needs a
+sha256 `prefix_caching_hash_algo` and, on a vLLM older than 0.32, the same PYTHONHASHSEED on
+every instance, else the connector refuses to start; see `shared.py`) and `shared_bytes` (its bound, default 8 GiB).
 
 vLLM builds one instance per role: the scheduler's (`shadow.Shadow`: tree, policy, decisions)
 and one per worker rank (`store.BlockStore`: the data). Decisions travel as the step's metadata
@@ -83,7 +83,8 @@ class PBKVConnector(KVConnectorBase_V1):
             return None
         cache, model = vllm_config.cache_config, vllm_config.model_config
         algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
-        problem = key_problem(algo, os.environ)
+        from vllm.v1.core import kv_cache_utils
+        problem = key_problem(algo, os.environ, hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED"))
         if problem is not None:
             raise ValueError(f"pbkv connector: shared_dir {extra['shared_dir']!r} refused: {problem}")
         world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1

