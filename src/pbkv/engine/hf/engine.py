@@ -25,7 +25,8 @@ prefilled, its new full blocks (and partial tail) become a device node with its 
 final hidden state of the last prompt token goes to the policy (`on_prefill`, `on_call_end`:
 `CallEvent.hidden`). The last prompt token is always computed (its logits pick the first output
 token). Host/disk prefixes are loaded or recomputed: see `admit.py`; prefill, decode and the end
-of a request: `execute.py`.
+of a request: `execute.py`; with `shared_dir`, a directory shared with other engines continues
+the local match and receives each prefill's computed blocks: `shared.py`.
 
 Invariants: a node's KV lives in its tier (`kvstore.py`); device tokens in use = tree nodes +
 what live requests reserved (prompt suffix + max new tokens; pending loads), as in the
