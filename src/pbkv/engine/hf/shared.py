@@ -11,7 +11,8 @@ replicas, `pbkv serve` instances) read and write (`pbkv.engine.shared_kv.SharedK
   worker thread (off the critical path). Written at prefill, not at eviction: another replica
   can use a prefix as soon as it was computed, while the writer still holds it locally (a
   workflow's next call routed elsewhere is the case that matters). Existing files are kept;
-  errors are counted (`write_errors`), never raised;
+  errors are counted (`write_errors`), never raised. The worker is FIFO and also runs host/disk
+  loads: a load queued behind a burst of writes waits for them (the price of one I/O thread);
 - reads: at admission, after the local tiers' longest usable prefix, the match goes on in the
   directory block by block, each file checked (sha256, key, model, shape); the run stops at the
   first missing or bad file (a bad one is removed and its tokens recomputed). Reads run on the
