@@ -54,8 +54,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 
 
 def identity(lm) -> str:
-    """What must match for two engines' KV to be interchangeable (see the module docstring)."""
-    base = model_identity(lm.name, lm.dtype, lm.layers, lm.kv_heads, lm.head_dim)
+    """What must match for two engines' KV to be interchangeable (see the module docstring). The
+    name is the model folder's base name: replicas may mount one model at different paths (the
+    weights' fingerprint tells models apart)."""
+    base = model_identity(Path(lm.name).name or lm.name, lm.dtype, lm.layers, lm.kv_heads, lm.head_dim)
     return f"{base}|{weights_fingerprint(lm.model)}"
 
 
