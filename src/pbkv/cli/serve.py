@@ -34,6 +34,11 @@ def serve(
     host_tokens: HostTokensOpt = None,
     disk_tokens: DiskTokensOpt = None,
     disk_dir: Annotated[Optional[Path], typer.Option(help="Folder for disk-tier KV files (default: a temporary folder).")] = None,
+    shared_dir: Annotated[Optional[Path], typer.Option(help="Folder of KV blocks shared with other pbkv servers of the same "
+                                               "model (read after the local tiers, written after each prefill; "
+                                               "default: none).")] = None,
+    shared_bytes: Annotated[Optional[int], typer.Option(help="Bound of --shared-dir in bytes (least recently used files "
+                                                "go first; default 8 GiB).", min=1)] = None,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.", min=1)] = 1024,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.", min=1)] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body.", min=1)] = 1 << 20,
@@ -61,7 +66,8 @@ def serve(
         api_key = ""                                               # refused below, with the flag's message
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
-    cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None)
+    cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None,
+                        shared_dir=str(shared_dir) if shared_dir else None, shared_bytes=shared_bytes)
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
                       cache=cache, record=str(record) if record else None, record_rotate=record_rotate,
                       record_context=record_context, predictor_dir=str(predictor) if predictor else None,

@@ -86,6 +86,8 @@ def build_state(cfg: ServeConfig) -> ServerState:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.cache.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {cfg.cache.block_size}")
+    if cfg.cache.shared_bytes is not None and cfg.cache.shared_bytes < 1:
+        raise ValueError(f"--shared-bytes must be >= 1, got {cfg.cache.shared_bytes}")
     block_size = cfg.cache.block_size
     setup = build_policy(cfg.policy, block_size, cfg.predictor_dir, cfg.online, cfg.learn_every,
                          learn_steps=cfg.learn_steps, learn_nice=cfg.learn_nice)
@@ -128,7 +130,8 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
     from pbkv.engine.hf import EngineOptions, HFEngine
 
     cache = TieredCache(RadixTree(cfg.cache.block_size), caps, policy)
-    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir,
+    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir, shared_dir=cfg.cache.shared_dir,
+                    shared_bytes=cfg.cache.shared_bytes,
                     options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
 
 
