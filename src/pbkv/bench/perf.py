@@ -53,13 +53,12 @@ def _predictors(policy: str, predictor: str | None) -> dict:
 AGENTS = ["a0", "a1", "a2", "a3", "a4"]
 
 
-def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None) -> dict:
+def build_evict_tree(nodes: int, policy: str, seed: int = 0, model: str | None = None):
     """Build a tree of `nodes` device nodes (one-block prompts under 1,000 shared prefixes), each
     the call of a workflow: 100 lanes run workflows of ten calls over five agents back to back,
     and the policy hears every workflow start and end and every call start and end (predicting
     policies keep live predictions: from `model`, or a Markov predictor fitted on these
-    workflows); then evict 10% of the nodes one eviction call at a time, as an engine under
-    pressure does. The time per evicted node includes the re-ranking the policy asks for."""
+    workflows). Returns (cache, block size); the cache's policy is bound to it."""
     from pbkv.policy.registry import needed_predictor, needs_future
     rng = random.Random(seed)
     block, prefixes, lanes, length = 16, 1000, 100, 10
@@ -96,6 +95,15 @@ def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None
         if step == len(calls[w]) - 1:
             pol.on_workflow_end(w, cache.end_workflow(w))
     assert len(cache.tree.index) == nodes
+    return cache, block
+
+
+def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None) -> dict:
+    """Build the tree (`build_evict_tree`), then evict 10% of its nodes one eviction call at a
+    time, as an engine under pressure does; only the evictions are timed."""
+    from pbkv.policy.registry import needed_predictor
+    cache, block = build_evict_tree(nodes, policy, seed, model)
+    variant = needed_predictor(policy)
     evict = nodes // 10
     start_t = time.perf_counter()
     for _ in range(evict):
