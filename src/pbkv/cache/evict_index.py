@@ -3,8 +3,14 @@
 Each push stamps the node with a new version; an entry is valid only while its version is the
 node's current one and the node is still evictable in this tier. Keys come from the policy
 (smaller is evicted first) and are computed when pushed, so a policy whose values change must
-ask the cache to `refresh` the affected nodes. The heap is compacted when stale entries
-outnumber live nodes, which keeps pops O(log n) amortised.
+ask the cache to `refresh` the affected nodes.
+
+Cost (why it stays flat at 100,000 nodes): a push whose key equals the key of the node's live
+entry in this index is skipped (the entry already sits where the new one would: the order is by
+key then node id, so it is the same order); `node.indexed` names the index holding the node's
+live entry and `node.key` its key, cleared whenever that entry leaves the heap. Stale entries are
+compacted away when they outnumber live nodes, checked on push, so the cost of compaction is
+spread over the pushes that made the stale entries rather than charged to the next eviction.
 """
 
 from __future__ import annotations
@@ -16,43 +22,72 @@ from pbkv.cache.node import Node
 
 
 class EvictIndex:
-    """Candidates of one tier, ordered by `key(node)` then node id (deterministic ties)."""
+    """Candidates of one tier, ordered by `key(node)` then node id (deterministic ties).
 
-    def __init__(self, key: Callable[[Node], tuple]):
+    `is_candidate(node)`: may the node be evicted from this tier now; `live()`: how many nodes
+    the tier holds (the compaction threshold)."""
+
+    def __init__(self, key: Callable[[Node], tuple], is_candidate: Callable[[Node], bool],
+                 live: Callable[[], int]):
         self.key = key
+        self.is_candidate = is_candidate
+        self.live = live
         self.heap: list[tuple] = []
 
     def push(self, node: Node) -> None:
+        key = self.key(node)
+        if node.indexed is self and node.key == key:
+            return  # its live entry already has this key
         node.version += 1
-        heapq.heappush(self.heap, (self.key(node), node.id, node.version, node))
+        node.indexed, node.key = self, key
+        heapq.heappush(self.heap, (key, node.id, node.version, node))
+        if len(self.heap) > 2 * self.live() + 1024:
+            self.compact()
 
-    def pop(self, is_candidate: Callable[[Node], bool]) -> Node | None:
+    def pop(self) -> Node | None:
         """Remove and return the best valid candidate, or None when there is none."""
         heap = self.heap
         while heap:
             _, _, version, node = heapq.heappop(heap)
-            if version == node.version and is_candidate(node):
-                node.version += 1  # popped: any other copy of this node's entry is now stale
-                return node
+            if version == node.version:
+                self._forget(node)
+                if self.is_candidate(node):
+                    node.version += 1  # popped: any other copy of this node's entry is now stale
+                    return node
         return None
 
-    def peek(self, is_candidate: Callable[[Node], bool]) -> Node | None:
+    def peek(self) -> Node | None:
         """The best valid candidate, left in place (stale entries on top are discarded)."""
         heap = self.heap
         while heap:
             _, _, version, node = heap[0]
-            if version == node.version and is_candidate(node):
-                return node
+            if version == node.version:
+                if self.is_candidate(node):
+                    return node
+                self._forget(node)
             heapq.heappop(heap)
         return None
 
-    def peek_all(self, is_candidate: Callable[[Node], bool]) -> list[Node]:
+    def peek_all(self) -> list[Node]:
         """All valid candidates in eviction order (for tests and prefetch planning; O(n log n))."""
-        entries = sorted(e for e in self.heap if e[2] == e[3].version and is_candidate(e[3]))
+        entries = sorted(e for e in self.heap if e[2] == e[3].version and self.is_candidate(e[3]))
         return [e[3] for e in entries]
 
-    def compact(self, is_candidate: Callable[[Node], bool], live_nodes: int) -> None:
-        """Drop stale entries once they dominate the heap."""
-        if len(self.heap) > 2 * live_nodes + 1024:
-            self.heap = [e for e in self.heap if e[2] == e[3].version and is_candidate(e[3])]
-            heapq.heapify(self.heap)
+    def compact(self) -> None:
+        """Drop every stale entry and every entry of a node that is no longer a candidate (a
+        node that becomes one again is refreshed by the cache, so it is pushed anew)."""
+        kept = []
+        for entry in self.heap:
+            node = entry[3]
+            if entry[2] == node.version:
+                if self.is_candidate(node):
+                    kept.append(entry)
+                else:
+                    self._forget(node)
+        heapq.heapify(kept)
+        self.heap = kept
+
+    def _forget(self, node: Node) -> None:
+        """The node's live entry left this heap: its next push must not be skipped."""
+        if node.indexed is self:
+            node.indexed = node.key = None

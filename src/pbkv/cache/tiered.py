@@ -103,7 +103,7 @@ class TieredCache:
         self.nodes = [0, 0, 0]       # node count per tier
         self.reserved = 0            # device tokens held for running requests (outputs, inserts)
         self.stats = CacheStats()
-        self.index = [EvictIndex(rules.priority) for _ in TIERS]
+        self.index = [EvictIndex(rules.priority, self._candidate_in(t), self._count_in(t)) for t in TIERS]
         tree.on_lock_change = self._lock_changed
         tree.on_split = self._split
 
@@ -121,14 +121,20 @@ class TieredCache:
         return (node.alive and node.tier == tier and node.lock == 0
                 and node.same_tier_children == 0)
 
+    def _candidate_in(self, tier: Tier):
+        return lambda node: self.is_candidate(node, tier)
+
+    def _count_in(self, tier: Tier):
+        return lambda: self.nodes[tier]
+
     def next_victim(self, tier: Tier) -> Node | None:
         """The node `evict(tier, ...)` would take first now, or None (an admission check:
         is a node worth more than what writing it into `tier` would push out?)."""
-        return self.index[tier].peek(lambda n: self.is_candidate(n, tier))
+        return self.index[tier].peek()
 
     def candidates(self, tier: Tier) -> list[Node]:
         """Current eviction order of `tier` (slow: for tests, prefetch planning and reports)."""
-        return self.index[tier].peek_all(lambda n: self.is_candidate(n, tier))
+        return self.index[tier].peek_all()
 
     # ------------------------------------------------------------------ space
 
@@ -144,12 +150,11 @@ class TieredCache:
         freed = 0
         index = self.index[tier]
         while freed < tokens:
-            node = index.pop(lambda n: self.is_candidate(n, tier))
+            node = index.pop()
             if node is None:  # cannot happen while the counters are right
                 raise TreeError(f"{tier.name}: {self.evictable(tier)} tokens evictable but no candidate")
             freed += node.tokens
             self._evict_node(node)
-        index.compact(lambda n: self.is_candidate(n, tier), self.nodes[tier])
         return True
 
     def reserve(self, tokens: int) -> bool:
