@@ -18,21 +18,25 @@ from __future__ import annotations
 import heapq
 from typing import Callable
 
-from pbkv.cache.node import Node
+from pbkv.cache.node import Node, Tier
 
 
 class EvictIndex:
     """Candidates of one tier, ordered by `key(node)` then node id (deterministic ties).
 
-    `is_candidate(node)`: may the node be evicted from this tier now; `live()`: how many nodes
-    the tier holds (the compaction threshold)."""
+    `live()`: how many nodes the tier holds (the compaction threshold)."""
 
-    def __init__(self, key: Callable[[Node], tuple], is_candidate: Callable[[Node], bool],
-                 live: Callable[[], int]):
+    def __init__(self, key: Callable[[Node], tuple], tier: Tier, live: Callable[[], int]):
         self.key = key
-        self.is_candidate = is_candidate
+        self.tier = tier
         self.live = live
         self.heap: list[tuple] = []
+
+    def is_candidate(self, node: Node) -> bool:
+        """May `node` be evicted from this tier now: alive, here, unlocked, and no child here
+        (a node's children in its own tier must go first; children below it go with it)."""
+        return (node.alive and node.tier == self.tier and node.lock == 0
+                and node.same_tier_children == 0)
 
     def push(self, node: Node) -> None:
         key = self.key(node)
@@ -50,7 +54,8 @@ class EvictIndex:
         while heap:
             _, _, version, node = heapq.heappop(heap)
             if version == node.version:
-                self._forget(node)
+                if node.indexed is self:
+                    node.indexed = node.key = None
                 if self.is_candidate(node):
                     node.version += 1  # popped: any other copy of this node's entry is now stale
                     return node
