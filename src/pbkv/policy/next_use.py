@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 from pbkv.cache import Node
+from pbkv.policy.extremes import Extremes
 from pbkv.policy.reuse_score import ReuseScores, bits
 
 INF = math.inf
@@ -101,9 +102,7 @@ class NextUse:
         self.timing = Timing()
         self.when: dict[int, list[float]] = {}   # workflow -> E(a) per class
         self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
-        self.first: list[float] = []             # per class: earliest E(a) over workflows
-        self.pmax: list[float] = []              # per class: largest p(a) over workflows
-        self.holder: list[tuple] = []            # per class: the workflows holding first, pmax
+        self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
         self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
 
     def observe_read(self, workflow: int, agent: str, node: Node) -> None:
@@ -206,40 +205,23 @@ class NextUse:
                     p = prob[c]
         return best, p
 
-    def _refresh_classes(self, changed: int) -> list[int]:
-        """Keep `first` and `pmax` (over workflows, per class) after workflow `changed` moved;
-        a class is recomputed over all workflows only when `changed` held one of its extremes
-        (else its new values can only improve them). Returns the classes that moved."""
-        n = len(self.scores.classes)
-        if len(self.first) != n:
-            self.first, self.pmax, self.holder = [INF] * n, [0.0] * n, [(None, None)] * n
-            return self._recompute(range(n))
-        when, prob = self.when.get(changed), self.prob.get(changed)
-        moved, stale = [], []
-        for a in range(n):
-            if changed in self.holder[a]:
-                stale.append(a)
-            elif when is not None and (when[a] < self.first[a] or prob[a] > self.pmax[a]):
-                if when[a] < self.first[a]:
-                    self.first[a], self.holder[a] = when[a], (changed, self.holder[a][1])
-                if prob[a] > self.pmax[a]:
-                    self.pmax[a], self.holder[a] = prob[a], (self.holder[a][0], changed)
-                moved.append(a)
-        return moved + self._recompute(stale)
+    @property
+    def first(self) -> list[float]:
+        """Per class: the earliest E(a) over active workflows."""
+        return self.extremes.first
 
-    def _recompute(self, classes) -> list[int]:
+    @property
+    def pmax(self) -> list[float]:
+        """Per class: the largest p(a) over active workflows."""
+        return self.extremes.pmax
+
+    def _refresh_classes(self, changed: int) -> list[int]:
+        """Keep `first` and `pmax` (over workflows, per class) after workflow `changed` moved
+        (`extremes.py`); a new class count rebuilds them. Returns the classes that moved."""
         n = len(self.scores.classes)
-        moved = []
-        for a in classes:
-            first, pmax, holder = INF, 0.0, [None, None]
-            for w, when in self.when.items():
-                if len(when) != n:   # predicted before a retrained predictor changed the classes
-                    continue
-                if when[a] < first:
-                    first, holder[0] = when[a], w
-                if self.prob[w][a] > pmax:
-                    pmax, holder[1] = self.prob[w][a], w
-            if first != self.first[a] or pmax != self.pmax[a]:
-                moved.append(a)
-            self.first[a], self.pmax[a], self.holder[a] = first, pmax, tuple(holder)
-        return moved
+        if len(self.extremes.first) != n:
+            return self.extremes.reset(n, self.when, self.prob)
+        when = self.when.get(changed)
+        if when is None:
+            return self.extremes.remove(changed)
+        return self.extremes.set(changed, when, self.prob[changed])
