@@ -104,6 +104,7 @@ class NextUse:
         self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
         self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
         self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
+        self._groups_memo = None                 # (classes list, _groups() of it)
 
     def observe_read(self, workflow: int, agent: str, node: Node) -> None:
         """A call of `agent` arrived with its prompt's cached path ending at `node`: the agents
@@ -117,14 +118,23 @@ class NextUse:
         self.scores._extend_bits()
         for c in self.scores._classes_in(mask):
             if c < len(names) and names[c] != agent:
-                self.readers.setdefault(names[c], set()).add(agent)
+                readers = self.readers.setdefault(names[c], set())
+                if agent not in readers:
+                    readers.add(agent)
+                    self._groups_memo = None
 
     def _groups(self) -> list[list[int]]:
-        """Per class: the classes whose calls read its cache (itself first)."""
+        """Per class: the classes whose calls read its cache (itself first). Memoised until a
+        reader is added or the classes change (it is read at every prediction: policy time)."""
         names = self.scores.classes
+        memo = self._groups_memo
+        if memo is not None and memo[0] is names:
+            return memo[1]
         index = {name: i for i, name in enumerate(names)}
-        return [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
-                for a, name in enumerate(names)]
+        groups = [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
+                  for a, name in enumerate(names)]
+        self._groups_memo = (names, groups)
+        return groups
 
     def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:
         """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
@@ -149,14 +159,14 @@ class NextUse:
                     when[a], prob[a], none[a] = now, 1.0, 0.0
         steps = min(self.horizon, len(survival))
         for k in range(steps):
-            row, s = probs[k], float(survival[k])
-            issue = t + sum(float(row[a]) * wait[a] for a in range(n))
+            row, s = [float(x) for x in probs[k]], float(survival[k])   # floats once, not per use
+            issue = t + sum(row[a] * wait[a] for a in range(n))
             for a in range(n):
-                f = none[a] * s * sum(float(row[b]) for b in groups[a])
+                f = none[a] * s * sum(row[b] for b in groups[a])
                 when[a] += f * issue
                 prob[a] += f
                 none[a] -= f
-            t = issue + sum(float(row[a]) * dur[a] for a in range(n))
+            t = issue + sum(row[a] * dur[a] for a in range(n))
         last = float(survival[steps - 1]) if steps else 0.0
         far = t + timing.step / max(last, 0.05)
         for a in range(n):
