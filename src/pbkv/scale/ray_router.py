@@ -13,7 +13,9 @@ Use it on a deployment whose replicas define `record_routing_stats` returning
 breaking the affinity the router chose; a replica that died is no longer a candidate, so its
 calls are placed again. With `fallback=True` every other replica forms a second rank (Ray then
 takes the least-loaded of them when the chosen one does not answer in time). A request without
-hints goes to every candidate at once (Ray's least-queue choice).
+hints goes to every candidate at once (Ray's least-queue choice). A hints dict may name replicas
+to `avoid` (the ingress's retry after a replica was lost): they are left out while another
+candidate remains.
 Loads come from Ray's queue-length cache when it has a fresh entry, else from the report.
 Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
 needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
@@ -52,6 +54,7 @@ class PBKVRequestRouter(RequestRouter):
         request = None if pending_request is None else route_request(pending_request.args, pending_request.kwargs)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
+        candidate_replicas = _without_avoided(candidate_replicas, pending_request)
         decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
@@ -67,3 +70,13 @@ class PBKVRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         self.overlay.forget(replica_id.unique_id)
         super().on_replica_actor_died(replica_id)
+
+
+def _without_avoided(candidates: List[RunningReplica], pending: PendingRequest) -> List[RunningReplica]:
+    """The candidates minus the replicas the request's hints say to avoid, unless none would remain."""
+    avoid = set()
+    for value in list(pending.args) + list((pending.kwargs or {}).values()):
+        if isinstance(value, dict) and value.get("avoid"):
+            avoid.update(str(a) for a in value["avoid"])
+    kept = [r for r in candidates if r.replica_id.unique_id not in avoid]
+    return kept or candidates
