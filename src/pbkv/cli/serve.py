@@ -48,6 +48,17 @@ def serve(
     keep_alive: Annotated[float, typer.Option(help="Seconds an idle kept-alive connection stays open.",
                                               min=0.001)] = 5.0,
     threads: ThreadsOpt = 1,
+    replicas: Annotated[int, typer.Option(help="Engine replicas. 1: this process serves alone (no Ray). N > 1: N "
+                                          "replicas on Ray Serve (each with this command's model, cache and "
+                                          "policy settings) behind --router; needs pip install 'pbkv[scale]'.",
+                                          min=1)] = 1,
+    router: Annotated[str, typer.Option(help="With --replicas > 1: which replica runs each call (round-robin, "
+                                        "least-load, prefix, sticky, pbkv, or package.module:Class).")] = "pbkv",
+    ray_address: Annotated[Optional[str], typer.Option(help="With --replicas > 1: join this Ray cluster (auto, "
+                                                       "ray://host:10001, ...) instead of starting a local Ray.")] = None,
+    replica_cpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray CPUs reserved per replica.",
+                                                min=0)] = 1.0,
+    replica_gpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray GPUs per replica.", min=0)] = 0.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
@@ -70,5 +81,17 @@ def serve(
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
                       max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
                       keep_alive=keep_alive, threads=threads)
+    if replicas == 1:
+        if ray_address is not None or router != "pbkv":
+            console.print("[yellow]warning:[/yellow] --router and --ray-address apply only with --replicas > 1")
+        with exit_on_error():
+            run(cfg, log_level=log_level)
+        return
+    try:
+        from pbkv.scale.serve_app import ReplicaOptions, run as run_replicas
+    except ImportError as e:
+        fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
+    opts = ReplicaOptions(replicas=replicas, router=router, ray_address=ray_address, replica_cpus=replica_cpus,
+                          replica_gpus=replica_gpus)
     with exit_on_error():
-        run(cfg, log_level=log_level)
+        run_replicas(cfg, opts, log_level=log_level)

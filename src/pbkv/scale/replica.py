@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ray import serve
-
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
 from pbkv.serve.jobs import Done, Job
@@ -49,6 +47,7 @@ class EngineReplica:
     """The deployment's class (`serve_app.engine_deployment` wraps it in `serve.deployment`)."""
 
     def __init__(self, cfg: ServeConfig):
+        from ray import serve   # here, so `cache_stats` imports without Ray
         self.id = serve.get_replica_context().replica_id.unique_id
         self.state = build_state(cfg)
         self.seq = 0

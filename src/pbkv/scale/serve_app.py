@@ -63,10 +63,17 @@ def default_router_config() -> dict:
     return {} if torch.cuda.is_available() else dict(CPU_COSTS)
 
 
+def check_options(opts: ReplicaOptions) -> None:
+    """Refuse a bad layout before Ray starts (ValueError, with the known router names)."""
+    from pbkv.route import router_class
+    router_class(opts.router)
+    if opts.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {opts.replicas}")
+
+
 def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
     """The bound engine deployment (give it to `serve.run`)."""
-    from pbkv.route import router_class
-    router_class(opts.router)   # an unknown name fails here, with the list of known ones
+    check_options(opts)
     config = default_router_config() if opts.router_config is None else opts.router_config
     router_cfg = RequestRouterConfig(request_router_class=ROUTER_CLASS,
                                      request_router_kwargs={"router": opts.router, "config": config},
@@ -142,6 +149,7 @@ class ReplicaServer:
     def __init__(self, cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "warning", **ray_init):
         from pbkv.serve.server import ServerThread
         self.opts = opts
+        check_options(opts)
         self.own_ray = start_ray(opts, **ray_init)
         self.handle = deploy(cfg, opts)
         self.state = ingress_state(cfg, self.handle, opts.replicas)
@@ -176,6 +184,7 @@ def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info") -> None
     """`pbkv serve --replicas N`: in the foreground until Ctrl-C, then the deployment is deleted."""
     from pbkv.serve.server import check_config, run as run_ingress
     check_config(cfg)
+    check_options(opts)
     own_ray = start_ray(opts)
     try:
         handle = deploy(cfg, opts)
