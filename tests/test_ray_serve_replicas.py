@@ -151,3 +151,97 @@ def test_64_concurrent_clients_lose_and_mix_up_nothing(servers):
         for key, prompt in prompts.items():
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True}
             assert got[key] == one.post("/v1/completions", json=body).json()["choices"][0]["text"], key
+
+
+async def _plain(http, i: int, out: dict) -> None:
+    body = {"model": "tiny", "prompt": f"long plain {i}", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    r = await http.post("/v1/completions", json=body)
+    out[("plain", i)] = (r.status_code, r.json())
+
+
+async def _streamed(http, i: int, out: dict, first_text: asyncio.Event) -> None:
+    body = {"model": "tiny", "prompt": f"long stream {i}", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, error = [], None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+            else:
+                text.append(event["choices"][0]["text"])
+                first_text.set()
+    out[("stream", i)] = ("".join(text), error)
+
+
+LONG = 400   # tokens per call: long enough that every call is still running when the replica is killed
+
+
+def _kill(url: str, replica: str) -> None:
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].endswith(f"#{replica}") and "PBKVEngine" in a["name"]]
+    assert len(actors) == 1, actors
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+
+
+def test_a_replica_killed_mid_run_loses_only_its_streams_already_sending(servers):
+    single, scaled = servers
+    before = _metrics(scaled.url)
+    out, started = {}, [asyncio.Event() for _ in range(4)]
+    seen = {}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=scaled.url, headers=AUTH, timeout=300) as http:
+            calls = [asyncio.ensure_future(_plain(http, i, out)) for i in range(4)]
+            calls += [asyncio.ensure_future(_streamed(http, i, out, started[i])) for i in range(4)]
+            await asyncio.gather(*(e.wait() for e in started))
+            while True:   # every call has reached a replica (the ingress's and the replicas' counts agree)
+                m = parse((await http.get("/metrics")).text)
+                if m["pbkv_in_flight_requests"] == 8:
+                    break
+            per = _per_replica(m, "pbkv_in_flight_requests")
+            seen["victim"] = victim = max(sorted(per), key=per.get)
+            seen["in_flight"] = per[victim]
+            _kill(scaled.url, victim)
+            await asyncio.gather(*calls)
+            seen["after"] = (await http.post("/v1/completions", json={"model": "tiny", "prompt": "still there?",
+                                                                      "max_tokens": 3})).status_code
+    asyncio.run(main())
+    after = _metrics(scaled.url)
+    failed = after["pbkv_replica_failed_requests_total"] - before["pbkv_replica_failed_requests_total"]
+    retried = after["pbkv_replica_retried_requests_total"] - before["pbkv_replica_retried_requests_total"]
+    assert seen["in_flight"] >= 1 and seen["after"] == 200, seen
+    assert failed + retried == seen["in_flight"], (failed, retried, seen)
+    broken = [k for k, (text, error) in out.items() if k[0] == "stream" and error is not None]
+    assert len(broken) == failed, out             # only streams already sending text are lost...
+    assert all(out[k][1]["code"] == "replica_failed" for k in broken)
+    want = asyncio.run(_one_process(single.url, [f"long {kind} {i}" for kind, i in out]))
+    for ((kind, i), value), text in zip(out.items(), want):   # ...every other call got its whole, right answer
+        if kind == "plain":
+            assert value[0] == 200 and value[1]["choices"][0]["text"] == text, i
+        elif value[1] is None:
+            assert value[0] == text, i
+    print(f"killed {seen['victim']} with {seen['in_flight']} calls in flight: {retried} retried, {failed} failed")
+    _wait_for_restart(scaled.url)
+
+
+async def _one_process(url: str, prompts: list[str]) -> list[str]:
+    """The single-process server's greedy answers (concurrent: the engine batches them)."""
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json={
+            "model": "tiny", "prompt": p, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}) for p in prompts))
+    return [a.json()["choices"][0]["text"] for a in answers]
+
+
+def _wait_for_restart(url: str, timeout: float = 240.0) -> None:
+    """Ray's controller replaces the dead replica: /health counts 2 answering replicas again."""
+    import time
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        while time.monotonic() < deadline:
+            if _metrics(url)["pbkv_replicas"] == 2:
+                return
+            http.get("/health")   # (a request between scrapes, no sleep: each scrape takes a while)
+    pytest.fail("the killed replica was not replaced")
