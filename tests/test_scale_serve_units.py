@@ -136,3 +136,16 @@ def test_one_replica_serves_in_process_without_importing_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_a_retry_avoids_the_lost_replica_while_another_remains():
+    import pytest
+    pytest.importorskip("ray")
+    from types import SimpleNamespace as NS
+
+    from pbkv.scale.ray_router import _without_avoided
+    a, b = NS(replica_id=NS(unique_id="a")), NS(replica_id=NS(unique_id="b"))
+    pending = NS(args=(route_hints("w", None, [1], 1, 1, avoid=["a"]),), kwargs={})
+    assert _without_avoided([a, b], pending) == [b]
+    assert _without_avoided([a], pending) == [a]                 # never none at all
+    assert _without_avoided([a, b], NS(args=(route_hints("w", None, [1], 1, 1),), kwargs=None)) == [a, b]

@@ -111,9 +111,9 @@ class RemoteWorker:
                 continue
             if action is Action.FAIL:
                 self.failed.inc()
-                where = "while streaming its answer" if sent else "and so was the retry's" if retries else ""
-                done = Done(ERROR, len(job.prompt_ids), error=f"the engine replica {replica or '(unknown)'} serving "
-                            f"this call was lost {where} ({type(exc).__name__})".replace("  ", " "), code=REPLICA_FAILED)
+                when = "while streaming this answer" if sent else f"after {retries} retry(s)"
+                done = Done(ERROR, len(job.prompt_ids), code=REPLICA_FAILED, error=f"the engine replica "
+                            f"{replica or '(unknown)'} serving this call was lost {when} ({type(exc).__name__})")
             else:
                 done = Done(ERROR, len(job.prompt_ids), error=f"{type(exc).__name__}: {exc}")
             job.events.put_nowait(done)
