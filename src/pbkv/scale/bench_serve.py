@@ -10,7 +10,9 @@ in the trace is real; workflow hints; greedy, `ignore_eos`, outputs as the trace
 prompt tokens whose KV came from each tier, tokens computed by prefill, calls per replica, wall
 time and call latency p50/p99. Lengths are divided by `--scale` (outputs by `--output-scale`).
 Then the routing overhead: 64 clients x 8 calls against 2 model-free `Probe` replicas (20 ms of
-service) with each router and with Ray's default one; the added p50/p99 latency is the router's.
+service) with each router and with Ray's default one: end-to-end p50/p99 latency (and the
+difference to Ray's default router, noisy on a loaded machine) and the p50/p99 time of pbkv's
+routing decision itself (`ray_router.decision_seconds`, measured inside the router).
 """
 
 from __future__ import annotations
@@ -102,11 +104,17 @@ def routing_overhead(routers: list[str], clients: int) -> list[dict]:
     from ray import serve
 
     from pbkv.scale.probe import overhead, probe_app
+    from pbkv.scale.ray_router import decision_seconds
     out = []
     for router in [None, *routers]:
         name = f"probe-{router or 'ray-default'}"
         handle = serve.run(probe_app(2, router, service_s=0.02), name=name, route_prefix=None)
-        out.append({"router": router or "ray-default", **overhead(handle, clients=clients, steps=8)})
+        decision_seconds(clear=True)
+        row = {"router": router or "ray-default", **overhead(handle, clients=clients, steps=8)}
+        took = decision_seconds(clear=True)
+        row["decision_p50_ms"] = round(1000 * _pct(took, 0.5), 3)
+        row["decision_p99_ms"] = round(1000 * _pct(took, 0.99), 3)
+        out.append(row)
         serve.delete(name)
     base = out[0]
     for row in out:

@@ -24,6 +24,9 @@ Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower tha
 
 from __future__ import annotations
 
+import time
+import weakref
+from collections import deque
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -32,8 +35,23 @@ from pbkv.route import RouterConfig, make_router
 from pbkv.scale.adapter import Overlay, route_request
 
 
+_LIVE: "weakref.WeakSet[PBKVRequestRouter]" = weakref.WeakSet()   # this process's routers
+
+
+def decision_seconds(clear: bool = False) -> list[float]:
+    """How long each of the last (up to 10 000 per router) hinted routing decisions took in this
+    process's routers (the process holding the deployment handle), sorted; `clear` empties them."""
+    out = sorted(t for r in list(_LIVE) for t in r.decision_s)
+    if clear:
+        for r in list(_LIVE):
+            r.decision_s.clear()
+    return out
+
+
 class PBKVRequestRouter(RequestRouter):
     def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
+        self.decision_s: deque[float] = deque(maxlen=10_000)
+        _LIVE.add(self)
         self.fallback = fallback
         self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
@@ -54,10 +72,12 @@ class PBKVRequestRouter(RequestRouter):
         request = None if pending_request is None else route_request(pending_request.args, pending_request.kwargs)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
+        start = time.perf_counter()
         candidate_replicas = _without_avoided(candidate_replicas, pending_request)
         decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
+        self.decision_s.append(time.perf_counter() - start)
         return [chosen, rest] if rest and self.fallback else [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
