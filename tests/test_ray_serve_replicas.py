@@ -100,7 +100,7 @@ def test_streaming_gives_the_same_text_and_usage(servers):
 def test_the_api_key_limits_errors_and_workflow_end_behave_as_one_process(servers):
     _, scaled = servers
     url = scaled.url
-    assert httpx.get(f"{url}/health").json() | {} == {"status": "ok", "model": "tiny", "policy": "pbkv", "replicas": 2}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": "tiny", "policy": "pbkv", "replicas": 2}
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
     bad = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}, headers=AUTH)

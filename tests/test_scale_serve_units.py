@@ -131,6 +131,8 @@ def test_one_replica_serves_in_process_without_importing_ray():
         assert "ray" not in sys.modules, "ray was imported"
         r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--router", "nope"])
         assert r.exit_code == 2 and "unknown router 'nope'" in r.output, r.output
+        r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", "ray://h:10001"])
+        assert r.exit_code == 2 and "cannot stream" in r.output, r.output
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -15,7 +15,8 @@ own connection limits (header/body timeouts, keep-alive, max connections: `serve
 so nothing else binds a port), and tokenizing is cheap next to generation.
 
 Ray: a local one (`ray.init(address="local")`) unless `ray_address` names a cluster to join
-(`auto`, `ray://host:10001`, ...); replicas must then be able to import pbkv on its nodes.
+(`auto`, or its GCS address, from a node of the cluster: Ray Client `ray://` addresses cannot
+stream from deployments, so they are refused); pbkv must be importable on its nodes.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def check_options(opts: ReplicaOptions) -> None:
     router_class(opts.router)
     if opts.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {opts.replicas}")
+    if (opts.ray_address or "").startswith("ray://"):
+        raise ValueError(f"--ray-address {opts.ray_address}: Ray Client (ray://) cannot stream from deployments, "
+                         f"which every call does; run pbkv serve on a node of the cluster with --ray-address auto")
 
 
 def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
