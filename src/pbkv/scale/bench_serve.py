@@ -12,7 +12,7 @@ time and call latency p50/p99. Lengths are divided by `--scale` (outputs by `--o
 Then the routing overhead: 64 clients x 8 calls against 2 model-free `Probe` replicas (20 ms of
 service) with each router and with Ray's default one: end-to-end p50/p99 latency (and the
 difference to Ray's default router, noisy on a loaded machine) and the p50/p99 time of pbkv's
-routing decision itself (`ray_router.decision_seconds`, measured inside the router).
+routing decision itself (`adapter.decision_seconds`, measured inside the router).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def routing_overhead(routers: list[str], clients: int) -> list[dict]:
     from ray import serve
 
     from pbkv.scale.probe import overhead, probe_app
-    from pbkv.scale.ray_router import decision_seconds
+    from pbkv.scale.adapter import decision_seconds
     out = []
     for router in [None, *routers]:
         name = f"probe-{router or 'ray-default'}"

@@ -20,38 +20,27 @@ Loads come from Ray's queue-length cache when it has a fresh entry, else from th
 Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
 needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
 Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
+Ray pickles this module BY VALUE (`RequestRouterConfig` registers it so): module-level state here
+would be copied into every deployment, so the process-wide registry of routers (for
+`decision_seconds`) lives in `pbkv.scale.adapter`, which is pickled by reference.
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from collections import deque
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import Overlay, route_request
-
-
-_LIVE: "weakref.WeakSet[PBKVRequestRouter]" = weakref.WeakSet()   # this process's routers
-
-
-def decision_seconds(clear: bool = False) -> list[float]:
-    """How long each of the last (up to 10 000 per router) hinted routing decisions took in this
-    process's routers (the process holding the deployment handle), sorted; `clear` empties them."""
-    out = sorted(t for r in list(_LIVE) for t in r.decision_s)
-    if clear:
-        for r in list(_LIVE):
-            r.decision_s.clear()
-    return out
+from pbkv.scale.adapter import Overlay, register_router, route_request
 
 
 class PBKVRequestRouter(RequestRouter):
     def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
-        self.decision_s: deque[float] = deque(maxlen=10_000)
-        _LIVE.add(self)
+        self.decision_s: deque[float] = deque(maxlen=10_000)   # seconds per hinted decision (the latest)
+        register_router(self)
         self.fallback = fallback
         self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
