@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, ModelOpt, OnlineOpt, PolicyOpt,
-                             PredictorOpt, ThreadsOpt, console, exit_on_error, fail)
+                             PredictorOpt, RouterOpt, ThreadsOpt, console, exit_on_error, fail)
 
 
 def serve(
@@ -53,6 +53,17 @@ def serve(
     keep_alive: Annotated[float, typer.Option(help="Seconds an idle kept-alive connection stays open.",
                                               min=0.001)] = 5.0,
     threads: ThreadsOpt = 1,
+    replicas: Annotated[int, typer.Option(help="Engine replicas. 1: this process serves alone (no Ray). N > 1: N "
+                                          "replicas on Ray Serve (each with this command's model, cache and "
+                                          "policy settings) behind --router; needs the scale extra.",
+                                          min=1)] = 1,
+    router: RouterOpt = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="With --replicas > 1: join this Ray cluster (auto, or "
+                                                       "its GCS address host:6379; from a node of the cluster) "
+                                                       "instead of starting a local Ray.")] = None,
+    replica_cpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray CPUs reserved per replica.",
+                                                min=0)] = 1.0,
+    replica_gpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray GPUs per replica.", min=0)] = 0.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
@@ -76,5 +87,17 @@ def serve(
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
                       max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
                       keep_alive=keep_alive, threads=threads)
+    if replicas == 1:
+        if ray_address is not None or router is not None:
+            console.print("[yellow]warning:[/yellow] --router and --ray-address apply only with --replicas > 1")
+        with exit_on_error():
+            run(cfg, log_level=log_level)
+        return
+    try:
+        from pbkv.scale.serve_app import ReplicaOptions, run as run_replicas
+    except ImportError as e:
+        fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
+    opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
+                          replica_gpus=replica_gpus)
     with exit_on_error():
-        run(cfg, log_level=log_level)
+        run_replicas(cfg, opts, log_level=log_level)

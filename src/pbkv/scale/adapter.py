@@ -14,6 +14,7 @@ among a call's arguments and returns None for anything else (routed as plain loa
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -94,3 +95,22 @@ class Overlay:
             known = (seq, ReplicaSnapshot.from_stats(dict(stats), replica_id=replica))
             self.reports[replica] = known
         return MergedView(known[1], self.blocks.get(replica, set()), self.workflows.get(replica, {}), load)
+
+
+_ROUTERS: "weakref.WeakSet" = weakref.WeakSet()   # this process's Ray routers (see `decision_seconds`)
+
+
+def register_router(router) -> None:
+    """Called by each `PBKVRequestRouter` (it keeps `decision_s`, seconds per routing decision)."""
+    _ROUTERS.add(router)
+
+
+def decision_seconds(clear: bool = False) -> list[float]:
+    """How long each of the latest (up to 10 000 per router) hinted routing decisions took in this
+    process's routers (the process holding the deployment handle), sorted; `clear` empties them."""
+    routers = list(_ROUTERS)
+    out = sorted(t for r in routers for t in r.decision_s)
+    if clear:
+        for r in routers:
+            r.decision_s.clear()
+    return out

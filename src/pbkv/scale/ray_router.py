@@ -13,25 +13,34 @@ Use it on a deployment whose replicas define `record_routing_stats` returning
 breaking the affinity the router chose; a replica that died is no longer a candidate, so its
 calls are placed again. With `fallback=True` every other replica forms a second rank (Ray then
 takes the least-loaded of them when the chosen one does not answer in time). A request without
-hints goes to every candidate at once (Ray's least-queue choice).
+hints goes to every candidate at once (Ray's least-queue choice). A hints dict may name replicas
+to `avoid` (the ingress's retry after a replica was lost): they are left out while another
+candidate remains.
 Loads come from Ray's queue-length cache when it has a fresh entry, else from the report.
 Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
 needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
 Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
+Ray pickles this module BY VALUE (`RequestRouterConfig` registers it so): module-level state here
+would be copied into every deployment, so the process-wide registry of routers (for
+`decision_seconds`) lives in `pbkv.scale.adapter`, which is pickled by reference.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import Overlay, route_request
+from pbkv.scale.adapter import Overlay, register_router, route_request
 
 
 class PBKVRequestRouter(RequestRouter):
     def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
+        self.decision_s: deque[float] = deque(maxlen=10_000)   # seconds per hinted decision (the latest)
+        register_router(self)
         self.fallback = fallback
         self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
@@ -52,9 +61,12 @@ class PBKVRequestRouter(RequestRouter):
         request = None if pending_request is None else route_request(pending_request.args, pending_request.kwargs)
         if request is None or not candidate_replicas:
             return [candidate_replicas]
+        start = time.perf_counter()
+        candidate_replicas = _without_avoided(candidate_replicas, pending_request)
         decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
+        self.decision_s.append(time.perf_counter() - start)
         return [chosen, rest] if rest and self.fallback else [chosen]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
@@ -67,3 +79,13 @@ class PBKVRequestRouter(RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID):
         self.overlay.forget(replica_id.unique_id)
         super().on_replica_actor_died(replica_id)
+
+
+def _without_avoided(candidates: List[RunningReplica], pending: PendingRequest) -> List[RunningReplica]:
+    """The candidates minus the replicas the request's hints say to avoid, unless none would remain."""
+    avoid = set()
+    for value in list(pending.args) + list((pending.kwargs or {}).values()):
+        if isinstance(value, dict) and value.get("avoid"):
+            avoid.update(str(a) for a in value["avoid"])
+    kept = [r for r in candidates if r.replica_id.unique_id not in avoid]
+    return kept or candidates

@@ -135,9 +135,9 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
                     options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
 
 
-def run(cfg: ServeConfig, log_level: str = "info") -> None:
+def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = None) -> None:
     import uvicorn
-    state = build_state(cfg)
+    state = state if state is not None else build_state(cfg)
     uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
 
 
@@ -147,10 +147,10 @@ class ServerThread:
     Use as a context manager; `stop()` runs the app's shutdown (engine thread stopped, workflows
     ended, predictor saved)."""
 
-    def __init__(self, cfg: ServeConfig, log_level: str = "warning"):
+    def __init__(self, cfg: ServeConfig, log_level: str = "warning", state: ServerState | None = None):
         import uvicorn
         self.cfg = cfg
-        self.state = build_state(cfg)
+        self.state = state if state is not None else build_state(cfg)   # given: an ingress (pbkv.scale)
         self.app = create_app(self.state)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
