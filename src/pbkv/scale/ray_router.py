@@ -27,12 +27,15 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import Overlay, route_request
+from pbkv.scale.adapter import Overlay, hinted_call
+from pbkv.scale.llm_hints import TextChunks
 
 
 class PBKVRequestRouter(RequestRouter):
-    def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
+    def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False,
+                         chunk_chars: int = 64, chars_per_token: int = 4, **_):
         self.fallback = fallback
+        self.chunks = TextChunks(chunk_chars, chars_per_token)
         self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
         self.decisions: dict[str, int] = {}
@@ -49,20 +52,25 @@ class PBKVRequestRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not hasattr(self, "pbkv_router"):   # Ray did not call initialize_state (no kwargs given)
             self.initialize_state()
-        request = None if pending_request is None else route_request(pending_request.args, pending_request.kwargs)
-        if request is None or not candidate_replicas:
+        call = None if pending_request is None else self._call(pending_request)
+        if call is None or not candidate_replicas:
             return [candidate_replicas]
-        decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
+        decision = self.pbkv_router.choose(call.route, self._views(candidate_replicas))
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
         return [chosen, rest] if rest and self.fallback else [chosen]
 
+    def _call(self, pending_request: PendingRequest):
+        return hinted_call(pending_request.args, pending_request.kwargs, self.chunks)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request = route_request(pending_request.args, pending_request.kwargs)
-        if request is not None:
+        call = self._call(pending_request)
+        if call is not None:
             rid = replica_id.unique_id
-            self.overlay.routed(rid, request)
+            self.overlay.routed(rid, call.route)
             self.decisions[rid] = self.decisions.get(rid, 0) + 1
+            if call.done:
+                self.pbkv_router.on_workflow_end(call.route.workflow_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         self.overlay.forget(replica_id.unique_id)
