@@ -61,7 +61,14 @@ class PBKVRequestRouter(RequestRouter):
         return [chosen, rest] if rest and self.fallback else [chosen]
 
     def _call(self, pending_request: PendingRequest):
-        return hinted_call(pending_request.args, pending_request.kwargs, self.chunks)
+        """The request's hints, parsed once: the last request's are kept for `on_request_routed`
+        (hashing a long prompt is the largest part of a routing decision)."""
+        last = getattr(self, "_last", None)
+        if last is not None and last[0] is pending_request:
+            return last[1]
+        call = hinted_call(pending_request.args, pending_request.kwargs, self.chunks)
+        self._last = (pending_request, call)
+        return call
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         call = self._call(pending_request)
