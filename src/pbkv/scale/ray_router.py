@@ -56,6 +56,9 @@ class PBKVRequestRouter(RequestRouter):
         if call is None or not candidate_replicas:
             return [candidate_replicas]
         decision = self.pbkv_router.choose(call.route, self._views(candidate_replicas))
+        # remember the choice now, not only once Ray has sent the call: calls that arrive together
+        # are chosen before any is sent, and would all see the same views and pick the same replica
+        self.overlay.routed(decision.replica, call.route)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
         return [chosen, rest] if rest and self.fallback else [chosen]
