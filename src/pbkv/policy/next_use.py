@@ -92,6 +92,20 @@ class Timing:
         return x if mean is None else mean + self.alpha * (x - mean)
 
 
+def effective_time(now: float, weighted: float, p: float) -> float:
+    """A node's ranking time from its first-use distribution within the horizon: `weighted`
+    = sum_k f_k t_k, `p` = sum_k f_k. The expected wait given a use, (weighted / p - now), is
+    stretched by 1 / p: ranking by it is ranking by p / wait, the expected reads per second
+    of holding the node (as LHD's hit density), and for p in {0, 1} it is Belady's order.
+    An expected time that stood for "not within the horizon" by one step past it ranked a node
+    read with probability .1 next step almost level with one read surely in three steps: the
+    host held the unlikely ones and dropped the sure ones (issue 11, hover with a host tier).
+    Never read within the horizon (p = 0): inf."""
+    if p <= 0.0:
+        return INF
+    return now + (weighted / p - now) / p
+
+
 class NextUse:
     """Expected next-use time and reuse probability of nodes, per agent class and workflow."""
 
@@ -158,10 +172,8 @@ class NextUse:
                 prob[a] += f
                 none[a] -= f
             t = issue + sum(float(row[a]) * dur[a] for a in range(n))
-        last = float(survival[steps - 1]) if steps else 0.0
-        far = t + timing.step / max(last, 0.05)
         for a in range(n):
-            when[a] += (1.0 - prob[a]) * far
+            when[a] = effective_time(now, when[a], prob[a])
         self.when[workflow], self.prob[workflow] = when, prob
         return self._refresh_classes(workflow)
 
