@@ -42,7 +42,8 @@ def test_expected_next_use_by_hand():
     # call 2 (alive .5, agent a) issues at 14.5. Effective time: now + (E[t | read] - now) / p
     assert nu.prob[1] == pytest.approx([0.75, 0.5, 0.0])
     cond_a = (0.5 * 10.5 + 0.25 * 14.5) / 0.75
-    assert nu.when[1] == pytest.approx([10 + (cond_a - 10) / 0.75, 10 + 0.5 / 0.5, float("inf")])
+    # c is never read within the horizon: one mean step past it (16.5 + 3.5), stretched by 1 / .5
+    assert nu.when[1] == pytest.approx([10 + (cond_a - 10) / 0.75, 10 + 0.5 / 0.5, 23.5])
     # a call of b that arrived and has not ended reads b's cache now; the horizon starts when
     # it is expected to end (10 + 4 s)
     nu.update(1, "b", 10.0, probs, survival, pending=True)
@@ -154,21 +155,6 @@ def test_effective_time_ranks_by_reads_per_second():
     sure_in_3 = effective_time(0.0, 1.0 * 3.0, 1.0)       # read surely 3 s from now
     maybe_in_1 = effective_time(0.0, 0.1 * 1.0, 0.1)      # read with p .1, 1 s from now
     assert sure_in_3 == 3.0 and maybe_in_1 == pytest.approx(10.0)
-    assert effective_time(5.0, 0.0, 0.0) == float("inf")   # never within the horizon
+    assert effective_time(5.0, 0.0, 0.0, far=9.0) == 9.0   # never within the horizon
     assert effective_time(5.0, 7.0, 1.0) == 7.0   # p = 1: the plain expected time
 
-
-def test_predictions_extend_past_the_horizon_on_the_online_chain():
-    from pbkv.policy.extend import Chain, beyond
-    from pbkv.predict.monitor import OnlineMarkov
-    markov = OnlineMarkov()
-    for a, b in [("r", "s"), ("s", "v"), ("v", "r"), ("v", "r"), ("v", "<end>"), ("v", "<end>")]:
-        markov.observe(a, b)
-    classes = ["r", "s", "v", "<unk>"]
-    probs, surv = beyond([[0, 0, 1, 0]], [1.0], classes, Chain(markov).get(), steps=4)
-    # v -> r (.5) or END (.5); r -> s; s -> v
-    assert surv == pytest.approx([1.0, 0.5, 0.5, 0.5])
-    assert probs == [[0, 0, 1, 0], [1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0]]
-    # the predictor's own rows are kept; an agent never seen leaving absorbs the walk
-    probs, surv = beyond([[0, 0, 0, 1]], [1.0], classes, Chain(markov).get(), steps=4)
-    assert probs == [[0, 0, 0, 1]] and surv == [1.0]

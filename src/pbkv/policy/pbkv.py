@@ -38,7 +38,7 @@ Variants (ablations): `pbkv-retired` (retired first, then LRU), `pbkv-noprefetch
 from __future__ import annotations
 
 from pbkv.cache import Node, Tier
-from pbkv.policy import admission, conservative_prefetch, extend
+from pbkv.policy import admission, conservative_prefetch
 from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
 import math
 
@@ -51,7 +51,6 @@ PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
 DEAD_P = 0.05             # reuse probability within the horizon below which a node is "dead"
 DEAD_MIN_LEVEL = 5        # below this trust level no node is called dead (LRU decides)
 FINE_BUCKETS = 64         # at full trust, next-use times are compared to 1/64 of a mean step
-NEXT_USE_CALLS = 12       # next use looks this many calls ahead (past K by the online chain: extend.py)
 
 
 class PBKVPolicy(Policy):
@@ -72,11 +71,9 @@ class PBKVPolicy(Policy):
         if self.predictor is not None and horizon > self.predictor.horizon:
             raise ValueError(f"--horizon {horizon} exceeds the predictor's horizon {self.predictor.horizon}")
         self.scores = ReuseScores(gamma=float(ctx.gamma), horizon=horizon)
-        self.next_use = NextUse(self.scores, max(horizon, NEXT_USE_CALLS))
-        self.extended: dict[int, tuple] = {}      # workflow -> its prediction extended (extend.py)
+        self.next_use = NextUse(self.scores, horizon)
         self.bucket = None        # seconds per next-use bucket (None: exact), set with the level
         self.monitor = QualityMonitor()
-        self.chain = extend.Chain(self.monitor.baseline)
         self.learner = ctx.online_learner
         self.history: dict[int, list[str]] = {}
         self.contexts: dict[int, list[str | None]] = {}
@@ -149,8 +146,7 @@ class PBKVPolicy(Policy):
         pred = self.predictions.get(w)
         if pred is None:
             return
-        probs, survival = self.extended[w]
-        moved = self.next_use.update(w, event.agent, event.now, probs, survival, pending=False)
+        moved = self.next_use.update(w, event.agent, event.now, pred.probs, pred.survival, pending=False)
         # Only the ended call's agent moved much (from "now" to its predicted next call); the
         # other agents' times shift by under a call, not worth re-ranking (policy time).
         current = [c for c in moved if c == self.scores.class_of(event.agent)]
@@ -172,9 +168,8 @@ class PBKVPolicy(Policy):
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
         self.predictions[w] = pred
         self.version[w] = self.version.get(w, 0) + 1
-        probs, survival = self.extended[w] = extend.beyond(pred.probs, pred.survival, pred.agents,
-                                                           self.chain.get(), self.next_use.horizon)
-        moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, probs, survival, pending=True)))
+        moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival,
+                                                             pending=True)))
         s1 = float(pred.survival[0])
         nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
         nxt[END] = 1.0 - s1
@@ -191,7 +186,6 @@ class PBKVPolicy(Policy):
         self.contexts.pop(workflow, None)
         self.hiddens.pop(workflow, None)
         self.predictions.pop(workflow, None)
-        self.extended.pop(workflow, None)
         self.version.pop(workflow, None)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
