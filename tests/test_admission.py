@@ -50,15 +50,3 @@ def test_free_space_below_always_admits():
     # host full of better nodes, disk empty: the worst node still goes down (filling costs nothing)
     assert fill({"b": 9, "c": 1, "x": 7}, ["b", "c", "x"]) == \
         {"DEVICE": ["x"], "HOST": ["c"], "DISK": ["b"]}
-
-
-def test_a_large_node_is_judged_by_every_victim_it_would_push_out():
-    # host holds two one-block nodes: a (1) and b (9); x (5) is two blocks: writing it pushes
-    # out both, and b is worth more, so x is dropped (judged by a alone it was written)
-    pol = Ranked({"a": 1, "b": 9, "xy": 5, "z": 8})
-    cache = TieredCache(RadixTree(BLOCK), Capacities(2 * BLOCK, 2 * BLOCK, 0), pol)
-    pol.bind(cache)
-    for t, p in enumerate(["a", "b", "xy", "z"]):
-        put(cache, p, float(t))
-        cache.check()
-    assert resident(cache) == {"DEVICE": ["z"], "HOST": ["a", "b"]}

@@ -46,21 +46,6 @@ class EvictIndex:
             heapq.heappop(heap)
         return None
 
-    def peek_tokens(self, is_candidate: Callable[[Node], bool], tokens: int) -> list[Node]:
-        """The best valid candidates, in order, until their tokens reach `tokens` (or none are
-        left), all left in place; stale entries met on the way are discarded."""
-        heap, taken, nodes, total = self.heap, [], [], 0
-        while heap and total < tokens:
-            entry = heapq.heappop(heap)
-            node = entry[3]
-            if entry[2] == node.version and is_candidate(node):
-                taken.append(entry)
-                nodes.append(node)
-                total += node.tokens
-        for entry in taken:
-            heapq.heappush(heap, entry)
-        return nodes
-
     def peek_all(self, is_candidate: Callable[[Node], bool]) -> list[Node]:
         """All valid candidates in eviction order (for tests and prefetch planning; O(n log n))."""
         entries = sorted(e for e in self.heap if e[2] == e[3].version and is_candidate(e[3]))

@@ -126,11 +126,6 @@ class TieredCache:
         is a node worth more than what writing it into `tier` would push out?)."""
         return self.index[tier].peek(lambda n: self.is_candidate(n, tier))
 
-    def victims(self, tier: Tier, tokens: int) -> list[Node]:
-        """The nodes `evict(tier, tokens)` would take now, in order (fewer when not enough is
-        evictable); changes nothing (admission: what would a write of `tokens` push out?)."""
-        return self.index[tier].peek_tokens(lambda n: self.is_candidate(n, tier), tokens)
-
     def candidates(self, tier: Tier) -> list[Node]:
         """Current eviction order of `tier` (slow: for tests, prefetch planning and reports)."""
         return self.index[tier].peek_all(lambda n: self.is_candidate(n, tier))

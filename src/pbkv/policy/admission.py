@@ -11,12 +11,6 @@ host was full of nodes ranked above them, although disk had room or held retired
 the host's victims would simply have displaced: every such drop was a full recompute later
 (issue 11, swe with three tiers: 0.46M of 1.14M rejected tokens were recomputed).
 
-A write of n tokens pushes out as many victims as cover n tokens, not just the first: a large
-node compared with the first victim alone (often a small retired or dead one) was written and
-then displaced the live nodes behind it (issue 11, hover with a host tier: a node never read
-again displaced nodes read within seconds). So a tier's cost is the best-ranked of the victims
-covering the write, and the cascade's cost the lowest of those over the tiers.
-
 Invariant: with free space anywhere below, a node is always kept (filling space costs nothing).
 """
 
@@ -35,10 +29,10 @@ def worth_writing(cache: TieredCache, node: Node, priority: Callable[[Node], tup
     while tier <= Tier.DISK and cache.capacity.of(Tier(tier)) > 0:
         if cache.free(Tier(tier)) >= node.tokens:
             return True
-        victims = cache.victims(Tier(tier), node.tokens - cache.free(Tier(tier)))
-        if not victims:   # everything there is pinned: the write cannot make room anyway
+        victim = cache.next_victim(Tier(tier))
+        if victim is None:   # everything there is pinned: the write cannot make room anyway
             return True
-        key = max(priority(v) for v in victims)   # the best of what the write pushes out
+        key = priority(victim)
         if lowest is None or key < lowest:
             lowest = key
         tier += 1
