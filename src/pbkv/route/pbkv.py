@@ -26,8 +26,8 @@ follow their KV home), and with no prediction of a workflow's size every active 
 expected to bring the same future load, so the count of workflows held is the expected future
 load; the call's own queue + prefill (seconds, only this call) would let a replica that merely
 cached the agents' prompts first attract every new workflow. Measured in the simulator (hover and
-swe, 2-8 instances, 400 workflows, 2 seeds): the worst ratio to the best other router fell from
-1.019 to 1.009.
+swe, 16/48 clients, 2-8 instances, 400 workflows): pbkv's worst latency over the best other
+router's fell from 1.019 to 1.008 (seed 0) and from 1.008 to 1.005 (seed 1); docs/scale-out.md.
 `warm` names the predicted next agent's prompt blocks the chosen replica lacks, so the engine
 can load them before that call comes.
 """
