@@ -201,5 +201,5 @@ def test_perf_evict_runs_every_policy_with_live_workflows():
     for name in ["lru", "kvflow", "oracle", "pbkv", "continuum", "scalesim", "arc", "slru"]:
         assert name in policy_names()
         r = evict_speed(1500, name)
-        assert r["evicted"] == 150 and r["us_per_node"] > 0
+        assert 150 <= r["evicted"] <= 300 and r["us_per_node"] > 0  # two when a call's prefix went too
         assert (r["predictor"] is not None) == (name == "pbkv")

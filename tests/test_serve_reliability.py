@@ -109,7 +109,7 @@ def test_usage_reports_cached_tokens_per_tier(srv):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = again.usage.prompt_tokens_details.cached_tokens
     tiers = again.usage.model_extra["pbkv_cached_tokens"]
-    assert 0 < cached < again.usage.prompt_tokens and tiers == {"device": cached, "host": 0, "disk": 0}
+    assert 0 < cached < again.usage.prompt_tokens and tiers == {"device": cached, "host": 0, "disk": 0, "shared": 0}
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert chat.usage.prompt_tokens_details.cached_tokens == sum(chat.usage.model_extra["pbkv_cached_tokens"].values())
     chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, stream=True,

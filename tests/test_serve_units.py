@@ -132,8 +132,8 @@ def test_metrics_text():
     assert values["pbkv_request_latency_seconds_count"] == 1 and values["pbkv_queue_depth"] == 3
     assert values['pbkv_cache_hit_tokens_total{tier="device"}'] == 4 and values["pbkv_cancelled_requests_total"] == 1
     assert "# TYPE pbkv_request_latency_seconds histogram" in text and "_created" not in text
-    assert m.hit_rates() == {"device": 0.4, "host": 0.1, "disk": 0.0}
-    assert Metrics().hit_rates() == {"device": 0.0, "host": 0.0, "disk": 0.0}   # one registry per server
+    assert m.hit_rates() == {"device": 0.4, "host": 0.1, "disk": 0.0, "shared": 0.0}
+    assert Metrics().hit_rates() == {"device": 0.0, "host": 0.0, "disk": 0.0, "shared": 0.0}   # one registry per server
 
 
 def test_recorder_writes_valid_rotating_traces(tmp_path):

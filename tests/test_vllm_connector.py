@@ -129,3 +129,72 @@ def test_offload_policy_is_a_cache_policy_retired_first_and_atomic():
     assert [k for k, _ in p.evict(1, {b"c"})] == [b"b"]                  # protected skipped
     p.chunks[b"c"].ref_cnt = 1
     assert p.evict(1, set()) is None                                     # pinned never evicted
+
+
+# ---------------------------------------------------------------- the shared tier between instances
+
+HASH_PROBE = ("from vllm.utils.hashing import get_hash_fn_by_name; from vllm.v1.core import kv_cache_utils as k; "
+              "f = get_hash_fn_by_name('{algo}'); k.init_none_hash(f); "
+              "print(k.hash_block_tokens(f, None, [1, 2, 3]).hex())")
+
+
+@pytest.mark.parametrize("env", [{}, {"PYTHONHASHSEED": "7"}])
+def test_vllm_block_hashes_agree_between_processes_with_sha256(env):
+    """What the shared tier's keys rest on, checked against the installed vLLM itself."""
+    import os
+    import subprocess
+    import sys
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    outs = {subprocess.run([sys.executable, "-c", HASH_PROBE.format(algo="sha256")], env={**base, **env},
+                           capture_output=True, text=True, check=True).stdout.strip() for _ in range(2)}
+    assert len(outs) == 1
+    from pbkv.integrations.vllm.shared import key_problem
+    from vllm.v1.core import kv_cache_utils
+    assert key_problem("sha256", env, hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED")) is None
+
+
+def make_shared(role, directory, algo="sha256"):
+    cfg = SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config("lru", shared_dir=str(directory))),
+        cache_config=SimpleNamespace(block_size=BS, prefix_caching_hash_algo=algo, cache_dtype="auto"),
+        model_config=SimpleNamespace(model="org/model", revision=None, dtype="float32"),
+        parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1))
+    return PBKVConnector(cfg, role, SimpleNamespace(num_blocks=16))
+
+
+def test_two_instances_share_blocks_through_shared_dir(tmp_path):
+    import torch
+    pages = {}
+    instances = []
+    for name in "ab":
+        s, w = make_shared(KVConnectorRole.SCHEDULER, tmp_path), make_shared(KVConnectorRole.WORKER, tmp_path)
+        pages[name] = {"l0": torch.randn(16, 2, BS, 8), "l1": torch.randn(16, 2, BS, 8)}
+        w.register_kv_caches(pages[name])
+        instances.append((s, w))
+
+    def step(s, w, rid, local, blocks, computed, scheduled):
+        r = request("x", 3)
+        r.request_id = rid
+        ext, _ = s.get_num_new_matched_tokens(r, local)
+        s.update_state_after_alloc(r, None, ext)
+        w.bind_connector_metadata(s.build_connector_meta(sched_output([(rid, blocks, computed)], {rid: scheduled})))
+        w.start_load_kv(None)
+        w.wait_for_save()
+        w.clear_connector_metadata()
+        w.store._writer.submit(lambda: None).result()
+        s.request_finished(r, blocks)
+        return ext
+
+    (sa, wa), (sb, wb) = instances
+    assert step(sa, wa, "r1", 0, [0, 1, 2, 3], 0, 3 * BS + 1) == 0
+    assert step(sb, wb, "r2", 0, [5, 6, 7, 8], 3 * BS, 1) == 3 * BS      # all three from A's files
+    for i in range(3):
+        for layer in ("l0", "l1"):
+            assert torch.equal(pages["b"][layer][5 + i], pages["a"][layer][i])
+    assert sb.stats()["shared_hit_tokens"] == 3 * BS and wb.store.stats.loaded_shared_blocks == 3
+    assert wa.store.stats.shared_queued == 3 and wb.store.stats.shared_queued == 0
+
+
+def test_shared_dir_with_an_unshareable_hash_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="shared_dir .* refused: prefix_caching_hash_algo 'xxhash'"):
+        make_shared(KVConnectorRole.SCHEDULER, tmp_path, algo="xxhash")

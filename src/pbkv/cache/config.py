@@ -35,13 +35,17 @@ class CapacityDefaults:
 @dataclass(frozen=True)
 class CacheConfig:
     """The cache a user asked for. `block_size` and `disk_dir` are used where the engine owns
-    them (`pbkv serve`); a replayed trace carries its own block size."""
+    them (`pbkv serve`); a replayed trace carries its own block size. `shared_dir`: a directory
+    of KV blocks shared with other engines (`pbkv.engine.shared_kv`; None: no shared tier),
+    bounded to `shared_bytes` (None: the engine's default, 8 GiB)."""
 
     device_tokens: int | None = None
     host_tokens: int | None = None
     disk_tokens: int | None = None
     block_size: int = 16
     disk_dir: str | None = None
+    shared_dir: str | None = None
+    shared_bytes: int | None = None
 
     def resolve(self, defaults: CapacityDefaults) -> Capacities:
         """The tier sizes: what was given, the rest from `defaults` (0 device tokens: the default)."""

@@ -28,7 +28,7 @@ class Node:
 
     __slots__ = ("id", "blocks", "start", "tokens", "tail_tokens", "parent", "children", "tier",
                  "lock", "same_tier_children", "last_access", "hits", "wf_agents", "agent_mask",
-                 "seen_workflows", "version", "policy_data", "alive", "value")
+                 "seen_workflows", "version", "indexed", "key", "policy_data", "alive", "value")
 
     def __init__(self, node_id: int, blocks: list[int], start: int, tokens: int, tail_tokens: int,
                  parent: Node | None, tier: Tier, now: float):
@@ -48,6 +48,8 @@ class Node:
         self.agent_mask = 0           # every agent that ever used this node (bitmask)
         self.seen_workflows = 0       # distinct workflows that ever used this node
         self.version = 0              # bumps on every eviction-index push (stale heap entries skip)
+        self.indexed = None           # the EvictIndex holding this node's live entry, if any
+        self.key = None               # that entry's key
         self.policy_data = None       # free slot for the active policy's per-node state
         self.alive = True             # False once removed from the tree
         self.value = None             # engine payload (real KV tensors); None in the simulator

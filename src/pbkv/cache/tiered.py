@@ -103,7 +103,7 @@ class TieredCache:
         self.nodes = [0, 0, 0]       # node count per tier
         self.reserved = 0            # device tokens held for running requests (outputs, inserts)
         self.stats = CacheStats()
-        self.index = [EvictIndex(rules.priority) for _ in TIERS]
+        self.index = [EvictIndex(rules.priority, t, self._count_in(t)) for t in TIERS]
         tree.on_lock_change = self._lock_changed
         tree.on_split = self._split
 
@@ -118,17 +118,19 @@ class TieredCache:
         return self.usage[tier] - pinned
 
     def is_candidate(self, node: Node, tier: Tier) -> bool:
-        return (node.alive and node.tier == tier and node.lock == 0
-                and node.same_tier_children == 0)
+        return self.index[tier].is_candidate(node)
+
+    def _count_in(self, tier: Tier):
+        return lambda: self.nodes[tier]
 
     def next_victim(self, tier: Tier) -> Node | None:
         """The node `evict(tier, ...)` would take first now, or None (an admission check:
         is a node worth more than what writing it into `tier` would push out?)."""
-        return self.index[tier].peek(lambda n: self.is_candidate(n, tier))
+        return self.index[tier].peek()
 
     def candidates(self, tier: Tier) -> list[Node]:
         """Current eviction order of `tier` (slow: for tests, prefetch planning and reports)."""
-        return self.index[tier].peek_all(lambda n: self.is_candidate(n, tier))
+        return self.index[tier].peek_all()
 
     # ------------------------------------------------------------------ space
 
@@ -144,12 +146,11 @@ class TieredCache:
         freed = 0
         index = self.index[tier]
         while freed < tokens:
-            node = index.pop(lambda n: self.is_candidate(n, tier))
+            node = index.pop()
             if node is None:  # cannot happen while the counters are right
                 raise TreeError(f"{tier.name}: {self.evictable(tier)} tokens evictable but no candidate")
             freed += node.tokens
             self._evict_node(node)
-        index.compact(lambda n: self.is_candidate(n, tier), self.nodes[tier])
         return True
 
     def reserve(self, tokens: int) -> bool:
@@ -186,8 +187,9 @@ class TieredCache:
 
     def refresh(self, node: Node) -> None:
         """Re-rank `node` after anything its priority depends on changed."""
-        if self.is_candidate(node, node.tier):
-            self.index[node.tier].push(node)
+        index = self.index[node.tier]
+        if index.is_candidate(node):
+            index.push(node)
 
     def end_workflow(self, workflow: int) -> list[Node]:
         """Forget a finished workflow's tags and re-rank the nodes it touched."""
@@ -309,7 +311,7 @@ class TieredCache:
     def _evict_node(self, node: Node) -> None:
         src = node.tier
         self.stats.evictions += 1
-        dst = Tier(src + 1) if src < Tier.DISK else None
+        dst = TIERS[src + 1] if src < Tier.DISK else None
         if dst is not None and not (self.capacity.of(dst) > 0 and self.rules.keep_on_evict(node)
                                     and self.make_room(dst, node.tokens)):
             dst = None

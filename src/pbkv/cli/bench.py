@@ -9,7 +9,7 @@ import typer
 
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
-                             PredictorOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
+                             PredictorOpt, ProfileOpt, RouterOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
                              WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, concurrency_list, console,
                              exit_on_error, fail, split, strs)
 
@@ -29,9 +29,6 @@ VLLMPythonOpt = Annotated[Optional[Path], typer.Option(
 InstancesOpt = Annotated[str, typer.Option(
     help="Simulated engine instances, each with its own cache and policy, behind --router (--engine sim; "
          "docs/scale-out.md); comma-separated counts run each (2,4,8). 1 with no --router: one plain instance.")]
-RouterOpt = Annotated[Optional[str], typer.Option(
-    help="Routers placing calls on the instances, compared side by side (comma-separated): round-robin, "
-         "least-load, prefix, sticky, pbkv, or package.module:Class. Default with --instances > 1: pbkv.")]
 LinkOpt = Annotated[str, typer.Option(
     help="Instance-to-instance KV link: nvlink-h100, nvlink-a6000, pcie4, rdma, tcp (pbkv.scale.links).")]
 SharedTokensOpt = Annotated[int, typer.Option(

@@ -85,6 +85,10 @@ LoadRuleOpt = Annotated[str, typer.Option(
     help="Real engine, host/disk prefixes: auto (load if estimated faster than recompute), load, recompute.")]
 ThreadsOpt = Annotated[int, typer.Option(
     min=1, help="torch CPU threads of the real engine (1 is fastest for small models on a shared CPU).")]
+RouterOpt = Annotated[Optional[str], typer.Option(
+    help="Router placing calls on engine instances (docs/scale-out.md): round-robin, least-load, prefix, sticky, "
+         "pbkv, or package.module:Class. bench (--instances > 1): a comma-separated list compared side by side; "
+         "serve (--replicas > 1): one. Default: pbkv.")]
 
 
 def split(value: str) -> list[str]:

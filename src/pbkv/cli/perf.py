@@ -63,5 +63,7 @@ def perf_evict(
     with exit_on_error():
         r = evict_speed(nodes, policy, model=str(predictor) if predictor else None)
     used = f"; predictor: {r['predictor']}" if r["predictor"] else ""
-    console.print(f"{r['evicted']} nodes evicted from a {r['nodes']:,}-node tree in {r['seconds'] * 1e3:.1f} ms: "
-                  f"{r['us_per_node']:.1f} us per evicted node ({policy}{used})")
+    load = f"; load average {r['load']:.1f}" if r["load"] is not None else ""
+    console.print(f"{r['evicted']} nodes evicted from a full {r['nodes']:,}-node tree with live workflows in "
+                  f"{r['seconds'] * 1e3:.1f} ms of CPU time: {r['us_per_node']:.1f} us per evicted node "
+                  f"({policy}{used}{load})")

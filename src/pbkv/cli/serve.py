@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, ModelOpt, OnlineOpt, PolicyOpt,
-                             PredictorOpt, ThreadsOpt, console, exit_on_error, fail)
+                             PredictorOpt, RouterOpt, ThreadsOpt, console, exit_on_error, fail)
 
 
 def serve(
@@ -34,6 +34,11 @@ def serve(
     host_tokens: HostTokensOpt = None,
     disk_tokens: DiskTokensOpt = None,
     disk_dir: Annotated[Optional[Path], typer.Option(help="Folder for disk-tier KV files (default: a temporary folder).")] = None,
+    shared_dir: Annotated[Optional[Path], typer.Option(help="Folder of KV blocks shared with other pbkv servers of the same "
+                                               "model (read after the local tiers, written after each prefill; "
+                                               "default: none).")] = None,
+    shared_bytes: Annotated[Optional[int], typer.Option(help="Bound of --shared-dir in bytes (least recently used files "
+                                                "go first; default 8 GiB).", min=1)] = None,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.", min=1)] = 1024,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.", min=1)] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body.", min=1)] = 1 << 20,
@@ -48,6 +53,17 @@ def serve(
     keep_alive: Annotated[float, typer.Option(help="Seconds an idle kept-alive connection stays open.",
                                               min=0.001)] = 5.0,
     threads: ThreadsOpt = 1,
+    replicas: Annotated[int, typer.Option(help="Engine replicas. 1: this process serves alone (no Ray). N > 1: N "
+                                          "replicas on Ray Serve (each with this command's model, cache and "
+                                          "policy settings) behind --router; needs the scale extra.",
+                                          min=1)] = 1,
+    router: RouterOpt = None,
+    ray_address: Annotated[Optional[str], typer.Option(help="With --replicas > 1: join this Ray cluster (auto, or "
+                                                       "its GCS address host:6379; from a node of the cluster) "
+                                                       "instead of starting a local Ray.")] = None,
+    replica_cpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray CPUs reserved per replica.",
+                                                min=0)] = 1.0,
+    replica_gpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray GPUs per replica.", min=0)] = 0.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
@@ -61,7 +77,8 @@ def serve(
         api_key = ""                                               # refused below, with the flag's message
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
-    cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None)
+    cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None,
+                        shared_dir=str(shared_dir) if shared_dir else None, shared_bytes=shared_bytes)
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
                       cache=cache, record=str(record) if record else None, record_rotate=record_rotate,
                       record_context=record_context, predictor_dir=str(predictor) if predictor else None,
@@ -70,5 +87,17 @@ def serve(
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
                       max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
                       keep_alive=keep_alive, threads=threads)
+    if replicas == 1:
+        if ray_address is not None or router is not None:
+            console.print("[yellow]warning:[/yellow] --router and --ray-address apply only with --replicas > 1")
+        with exit_on_error():
+            run(cfg, log_level=log_level)
+        return
+    try:
+        from pbkv.scale.serve_app import ReplicaOptions, run as run_replicas
+    except ImportError as e:
+        fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
+    opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
+                          replica_gpus=replica_gpus)
     with exit_on_error():
-        run(cfg, log_level=log_level)
+        run_replicas(cfg, opts, log_level=log_level)

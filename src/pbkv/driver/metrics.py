@@ -1,7 +1,8 @@
 """What a run measured: per-call and per-workflow records, summarised into one flat record.
 
 Hit rates are fractions of prompt tokens by where their KV came from when the call was served:
-device (already resident, prefetched included), host, disk; the rest was recomputed."""
+device (already resident, prefetched included), host, disk, and (the real engine with a shared
+directory) shared; the rest was recomputed."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class Recorder:
     device_hit: int = 0
     host_hit: int = 0
     disk_hit: int = 0
+    shared_hit: int = 0
     recomputed: int = 0
     calls: int = 0
     starts: dict[int, float] = field(default_factory=dict)
@@ -47,6 +49,7 @@ class Recorder:
         self.device_hit += req.device_hit
         self.host_hit += req.host_hit
         self.disk_hit += req.disk_hit
+        self.shared_hit += req.shared_hit
         self.recomputed += req.recomputed
 
     def summary(self) -> dict:
@@ -61,6 +64,7 @@ class Recorder:
             "device_hit_rate": self.device_hit / n,
             "host_hit_rate": self.host_hit / n,
             "disk_hit_rate": self.disk_hit / n,
+            "shared_hit_rate": self.shared_hit / n,
             "recomputed_tokens": self.recomputed,
             "prompt_tokens": self.prompt_tokens,
             "makespan_s": self.end_time,

@@ -9,7 +9,11 @@ part, so the two engines differ only in how they admit, compute and move KV:
 - `EngineBase`: the driver API (`at`, `start_workflow`, `end_workflow`, `submit`), the policy
   hooks timed into `stats.policy_seconds`, `CallEvent`s, the FCFS waiting list, unpinning queued
   prefixes when nothing can run, and the "stuck" message;
-- `tokens_by_tier`: how many tokens a list of nodes holds in each tier.
+- `tokens_by_tier`: how many tokens a list of nodes holds in each tier. Per-tier hit counts
+  (`Request.hits`, the real engine's `loaded_tokens`) add a fourth tier after the three local
+  ones, "shared" (`HIT_TIERS`, index `SHARED`): a directory several engines read and write
+  (`shared_kv.py`), consulted after the local tiers' longest prefix; it is not a `Tier` of the
+  cache (no node lives there; local cache management does not see it).
 A subclass provides `now` (the engine's time: simulated, or its clock's) and its scheduling loop.
 
 Parts with their own state are composed (`EventQueue`, the stats record); the rest is a small
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pbkv.cache import Node, Tier, TieredCache
-from pbkv.engine.request import Request
+from pbkv.engine.request import HIT_TIERS, SHARED, Request  # noqa: F401  (re-exported)
 from pbkv.policy import CallEvent, Policy
 
 

@@ -9,6 +9,11 @@ from pbkv.cache import Move, Node
 from pbkv.engine.sampling import Sampling
 from pbkv.trace import Call
 
+# Where a prompt's KV can come from, in the order of per-tier hit lists: the three local tiers
+# (indexed by `pbkv.cache.Tier`) and the directory shared between engines (`engine/shared_kv.py`).
+HIT_TIERS = ("device", "host", "disk", "shared")
+SHARED = 3
+
 
 @dataclass(slots=True, eq=False)
 class Request:
@@ -32,6 +37,7 @@ class Request:
     device_hit: int = 0
     host_hit: int = 0
     disk_hit: int = 0
+    shared_hit: int = 0             # loaded from the shared directory (after the local tiers' prefix)
     recomputed: int = 0
     admitted: float = 0.0
     first_token: float = 0.0
@@ -50,3 +56,14 @@ class Request:
         self.counted = True
         self.device_hit, self.host_hit, self.disk_hit = per_tier
         self.recomputed = self.call.input_length - sum(per_tier)
+
+    def count_shared(self, tokens: int) -> None:
+        """Record prompt tokens loaded from the shared tier (counted once, at the final admission;
+        the local tiers' count may have been taken earlier, when a load started)."""
+        if tokens and not self.shared_hit:
+            self.shared_hit = tokens
+            self.recomputed -= tokens
+
+    def hits(self) -> dict[str, int]:
+        """Prompt tokens whose KV was reused, by tier name (`HIT_TIERS`)."""
+        return dict(zip(HIT_TIERS, (self.device_hit, self.host_hit, self.disk_hit, self.shared_hit)))

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 
 from pbkv.cache import Node
+from pbkv.policy.extremes import Extremes
 from pbkv.policy.reuse_score import ReuseScores, bits
 
 INF = math.inf
@@ -101,10 +102,9 @@ class NextUse:
         self.timing = Timing()
         self.when: dict[int, list[float]] = {}   # workflow -> E(a) per class
         self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
-        self.first: list[float] = []             # per class: earliest E(a) over workflows
-        self.pmax: list[float] = []              # per class: largest p(a) over workflows
-        self.holder: list[tuple] = []            # per class: the workflows holding first, pmax
+        self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
         self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
+        self._groups_memo = None                 # (classes list, _groups() of it)
 
     def observe_read(self, workflow: int, agent: str, node: Node) -> None:
         """A call of `agent` arrived with its prompt's cached path ending at `node`: the agents
@@ -118,14 +118,23 @@ class NextUse:
         self.scores._extend_bits()
         for c in self.scores._classes_in(mask):
             if c < len(names) and names[c] != agent:
-                self.readers.setdefault(names[c], set()).add(agent)
+                readers = self.readers.setdefault(names[c], set())
+                if agent not in readers:
+                    readers.add(agent)
+                    self._groups_memo = None
 
     def _groups(self) -> list[list[int]]:
-        """Per class: the classes whose calls read its cache (itself first)."""
+        """Per class: the classes whose calls read its cache (itself first). Memoised until a
+        reader is added or the classes change (it is read at every prediction: policy time)."""
         names = self.scores.classes
+        memo = self._groups_memo
+        if memo is not None and memo[0] is names:
+            return memo[1]
         index = {name: i for i, name in enumerate(names)}
-        return [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
-                for a, name in enumerate(names)]
+        groups = [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
+                  for a, name in enumerate(names)]
+        self._groups_memo = (names, groups)
+        return groups
 
     def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:
         """Store workflow's new prediction (classes as in `scores.classes`, which `ReuseScores.
@@ -150,14 +159,14 @@ class NextUse:
                     when[a], prob[a], none[a] = now, 1.0, 0.0
         steps = min(self.horizon, len(survival))
         for k in range(steps):
-            row, s = probs[k], float(survival[k])
-            issue = t + sum(float(row[a]) * wait[a] for a in range(n))
+            row, s = [float(x) for x in probs[k]], float(survival[k])   # floats once, not per use
+            issue = t + sum(row[a] * wait[a] for a in range(n))
             for a in range(n):
-                f = none[a] * s * sum(float(row[b]) for b in groups[a])
+                f = none[a] * s * sum(row[b] for b in groups[a])
                 when[a] += f * issue
                 prob[a] += f
                 none[a] -= f
-            t = issue + sum(float(row[a]) * dur[a] for a in range(n))
+            t = issue + sum(row[a] * dur[a] for a in range(n))
         last = float(survival[steps - 1]) if steps else 0.0
         far = t + timing.step / max(last, 0.05)
         for a in range(n):
@@ -206,40 +215,23 @@ class NextUse:
                     p = prob[c]
         return best, p
 
-    def _refresh_classes(self, changed: int) -> list[int]:
-        """Keep `first` and `pmax` (over workflows, per class) after workflow `changed` moved;
-        a class is recomputed over all workflows only when `changed` held one of its extremes
-        (else its new values can only improve them). Returns the classes that moved."""
-        n = len(self.scores.classes)
-        if len(self.first) != n:
-            self.first, self.pmax, self.holder = [INF] * n, [0.0] * n, [(None, None)] * n
-            return self._recompute(range(n))
-        when, prob = self.when.get(changed), self.prob.get(changed)
-        moved, stale = [], []
-        for a in range(n):
-            if changed in self.holder[a]:
-                stale.append(a)
-            elif when is not None and (when[a] < self.first[a] or prob[a] > self.pmax[a]):
-                if when[a] < self.first[a]:
-                    self.first[a], self.holder[a] = when[a], (changed, self.holder[a][1])
-                if prob[a] > self.pmax[a]:
-                    self.pmax[a], self.holder[a] = prob[a], (self.holder[a][0], changed)
-                moved.append(a)
-        return moved + self._recompute(stale)
+    @property
+    def first(self) -> list[float]:
+        """Per class: the earliest E(a) over active workflows."""
+        return self.extremes.first
 
-    def _recompute(self, classes) -> list[int]:
+    @property
+    def pmax(self) -> list[float]:
+        """Per class: the largest p(a) over active workflows."""
+        return self.extremes.pmax
+
+    def _refresh_classes(self, changed: int) -> list[int]:
+        """Keep `first` and `pmax` (over workflows, per class) after workflow `changed` moved
+        (`extremes.py`); a new class count rebuilds them. Returns the classes that moved."""
         n = len(self.scores.classes)
-        moved = []
-        for a in classes:
-            first, pmax, holder = INF, 0.0, [None, None]
-            for w, when in self.when.items():
-                if len(when) != n:   # predicted before a retrained predictor changed the classes
-                    continue
-                if when[a] < first:
-                    first, holder[0] = when[a], w
-                if self.prob[w][a] > pmax:
-                    pmax, holder[1] = self.prob[w][a], w
-            if first != self.first[a] or pmax != self.pmax[a]:
-                moved.append(a)
-            self.first[a], self.pmax[a], self.holder[a] = first, pmax, tuple(holder)
-        return moved
+        if len(self.extremes.first) != n:
+            return self.extremes.reset(n, self.when, self.prob)
+        when = self.when.get(changed)
+        if when is None:
+            return self.extremes.remove(changed)
+        return self.extremes.set(changed, when, self.prob[changed])

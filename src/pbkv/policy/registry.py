@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 from pbkv.policy.base import Policy, PolicyContext
+from pbkv.registry import LazyRegistry
 
 BUILTIN: dict[str, str] = {
     "lru": "pbkv.policy.lru:LRUPolicy",
@@ -27,28 +26,10 @@ class UnknownPolicy(ValueError):
     pass
 
 
-def policy_names() -> list[str]:
-    return list(BUILTIN)
-
-
-def register(name: str, target: str) -> None:
-    """Make `name` resolve to `target` ("package.module:Class")."""
-    BUILTIN[name] = target
-
-
-def policy_class(name: str) -> type[Policy]:
-    target = BUILTIN.get(name, name if ":" in name else None)
-    if target is None:
-        raise UnknownPolicy(f"unknown policy {name!r}; known policies: {', '.join(BUILTIN)} "
-                            f"(or 'package.module:Class')")
-    module, _, cls = target.partition(":")
-    try:
-        found = getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
-        raise UnknownPolicy(f"policy {name!r}: cannot load {target!r} ({e})") from None
-    if not (isinstance(found, type) and issubclass(found, Policy)):
-        raise UnknownPolicy(f"policy {name!r}: {target!r} is not a pbkv Policy subclass")
-    return found
+REGISTRY = LazyRegistry("policy", "policies", Policy, BUILTIN, UnknownPolicy)
+policy_names = REGISTRY.names
+register = REGISTRY.register
+policy_class = REGISTRY.get
 
 
 def make_policy(name: str, ctx: PolicyContext) -> Policy:

@@ -10,14 +10,17 @@ of that replica, so blocks the replica evicted do not linger; the overlay is als
 Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
 optionally `output_tokens`, `reuse_probability`, `next_prefix`); `route_request` finds that dict
 among a call's arguments and returns None for anything else (routed as plain load balancing).
+`hinted_call` also reads Ray Serve LLM's OpenAI request objects (`pbkv.scale.llm_hints`).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from pbkv.route import ReplicaSnapshot, RouteRequest
+from pbkv.scale.llm_hints import LLMCall, TextChunks, find_llm_call
 
 
 def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest | None:
@@ -32,6 +35,16 @@ def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest
                                 reuse_probability=value.get("reuse_probability"),
                                 next_prefix=tuple(int(h) for h in value.get("next_prefix", ())))
     return None
+
+
+def hinted_call(args: Iterable, kwargs: Mapping | None = None, chunks: TextChunks = TextChunks()) -> LLMCall | None:
+    """A call's hints: a pbkv hints dict (`route_request`; it never ends its workflow), else a Ray
+    Serve LLM chat/completion request with a workflow id (`find_llm_call`), else None."""
+    args = list(args)
+    request = route_request(args, kwargs)
+    if request is not None:
+        return LLMCall(request, done=False)
+    return find_llm_call(args, kwargs, chunks)
 
 
 class MergedView:
@@ -94,3 +107,22 @@ class Overlay:
             known = (seq, ReplicaSnapshot.from_stats(dict(stats), replica_id=replica))
             self.reports[replica] = known
         return MergedView(known[1], self.blocks.get(replica, set()), self.workflows.get(replica, {}), load)
+
+
+_ROUTERS: "weakref.WeakSet" = weakref.WeakSet()   # this process's Ray routers (see `decision_seconds`)
+
+
+def register_router(router) -> None:
+    """Called by each `PBKVRequestRouter` (it keeps `decision_s`, seconds per routing decision)."""
+    _ROUTERS.add(router)
+
+
+def decision_seconds(clear: bool = False) -> list[float]:
+    """How long each of the latest (up to 10 000 per router) hinted routing decisions took in this
+    process's routers (the process holding the deployment handle), sorted; `clear` empties them."""
+    routers = list(_ROUTERS)
+    out = sorted(t for r in routers for t in r.decision_s)
+    if clear:
+        for r in routers:
+            r.decision_s.clear()
+    return out

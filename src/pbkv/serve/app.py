@@ -13,7 +13,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from fastapi import FastAPI
 from pydantic import ValidationError
@@ -53,6 +53,9 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     setup: object = None                  # learning.PolicySetup (policy, learner, model dir)
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
+    # set by an ingress in front of engine replicas (pbkv.scale.serve_app); None: the local engine
+    exposition: Callable[[], Awaitable[bytes]] | None = None   # the /metrics text
+    health: Callable[[], dict] | None = None                   # more /health fields
 
 
 class CountRequests:
@@ -132,7 +135,8 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": state.model_name, "policy": state.policy_name}
+        extra = state.health() if state.health is not None else {}
+        return {"status": "ok", "model": state.model_name, "policy": state.policy_name} | extra
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -142,10 +146,8 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics(request: Request):
         check_api_key(request, state.config.api_key)
-        worker = state.worker
-        snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
-            worker.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
-        return Response(state.metrics.exposition(snapshot), media_type=CONTENT_TYPE)
+        text = await (state.exposition or local_exposition(state))()
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.post("/v1/workflows/{workflow_id}/end")
     async def end_workflow(request: Request, workflow_id: str):
@@ -157,6 +159,17 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
                            INVALID, "workflow_id", "workflow_not_found")
         return {"id": workflow_id, "object": "workflow", "ended": True}
+
+
+def local_exposition(state: ServerState) -> Callable[[], Awaitable[bytes]]:
+    """/metrics of a server whose engine runs in this process: its counters, then the engine's
+    figures taken on the engine thread."""
+    async def exposition() -> bytes:
+        worker = state.worker
+        snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
+            worker.engine, worker.in_flight, len(worker.table.live), state.metrics.hit_rates())))
+        return state.metrics.exposition(snapshot)
+    return exposition
 
 
 def _completion_routes(app: FastAPI, state: ServerState) -> None:

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from pbkv.cache import Tier
+from pbkv.engine.request import SHARED
 
 if TYPE_CHECKING:
     from pbkv.engine.hf import HFEngine
@@ -47,7 +48,7 @@ def engine_snapshot(engine: HFEngine, in_flight: int, active_workflows: int,
         _one(GaugeMetricFamily, "pbkv_active_workflows", "Workflow runs started and not yet ended.",
              active_workflows),
         _family(GaugeMetricFamily, "pbkv_cache_hit_rate", "Share of served prompt tokens whose KV came from each tier.",
-                [({"tier": t}, hit_rates[t]) for t, _ in TIERS]),
+                [({"tier": t}, rate) for t, rate in hit_rates.items()]),
         _per_tier(GaugeMetricFamily, "pbkv_cache_usage_tokens", "Tokens of KV held in each tier.", cache.usage),
         _family(GaugeMetricFamily, "pbkv_cache_capacity_tokens", "Capacity of each tier in tokens (0: tier off).",
                 [({"tier": t}, cache.capacity.of(tier)) for t, tier in TIERS]),
@@ -58,15 +59,33 @@ def engine_snapshot(engine: HFEngine, in_flight: int, active_workflows: int,
                   "Tokens evicted one tier down, by source tier.", cache.stats.demoted),
         _per_tier(CounterMetricFamily, "pbkv_cache_dropped_tokens_total", "Tokens dropped from the cache, by tier.",
                   cache.stats.dropped),
-        _per_tier(CounterMetricFamily, "pbkv_cache_loaded_tokens_total",
-                  "Tokens loaded up to the device, by source tier.", cache.stats.loaded),
+        _family(CounterMetricFamily, "pbkv_cache_loaded_tokens_total",
+                "Tokens loaded up to the device, by source tier (shared: the directory shared with other engines).",
+                [({"tier": t}, cache.stats.loaded[tier]) for t, tier in TIERS]
+                + [({"tier": "shared"}, stats.loaded_tokens[SHARED])]),
         _one(CounterMetricFamily, "pbkv_prefetched_tokens_total", "Tokens the policy prefetched to the device.",
              stats.prefetched_tokens),
         _family(CounterMetricFamily, "pbkv_engine_seconds_total", "Seconds the engine spent, by phase.",
                 [({"phase": "prefill"}, stats.prefill_seconds), ({"phase": "decode"}, stats.decode_seconds),
                  ({"phase": "policy"}, stats.policy_seconds)]),
     ]
-    return out + _predictor(engine.policy)
+    return out + _shared(engine) + _predictor(engine.policy)
+
+
+def _shared(engine) -> list[Metric]:
+    """The shared directory's counters (none without one)."""
+    sh = engine.shared
+    if sh is None:
+        return []
+    st = sh.dir.stats
+    return [
+        _one(CounterMetricFamily, "pbkv_shared_kv_files_written_total", "KV blocks this engine wrote to the shared "
+             "directory.", sh.counters.blocks_written),
+        _one(CounterMetricFamily, "pbkv_shared_kv_corrupt_total", "Shared-directory files refused by a check "
+             "(removed, their tokens recomputed).", st.corrupt),
+        _one(CounterMetricFamily, "pbkv_shared_kv_write_errors_total", "Shared-directory writes that failed.",
+             sh.counters.write_errors),
+    ]
 
 
 def _predictor(policy) -> list[Metric]:

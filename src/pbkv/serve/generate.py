@@ -26,6 +26,7 @@ from pbkv.serve.workflows import Hints
 
 CONTEXT_CHARS = 500      # the latest message, as the predictor's `context` text
 CLIENT_GONE = 499        # status of an answer nobody waits for any more (nginx's convention)
+REPLICA_FAILED = "replica_failed"   # `Done.code` of a call lost with its engine replica (pbkv.scale): 503
 
 
 @dataclass
@@ -61,7 +62,8 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
         raise overloaded(state.worker.in_flight)
     sampling = Sampling(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                         ignore_eos=body.ignore_eos)   # EOS ids: the engine's (the tokenizer's)
-    job = Job(list(prompt_ids), sampling, hints, body.stops(), context[-CONTEXT_CHARS:] if context else None)
+    job = Job(list(prompt_ids), sampling, hints, body.stops(), context[-CONTEXT_CHARS:] if context else None,
+              streamed=body.stream)
     return Prepared(job, chat, body.stream, body.include_usage())
 
 
@@ -108,8 +110,9 @@ async def respond(state, request: Request, p: Prepared):
         if done is None:  # the client went away: stop generating for nobody
             worker.cancel(job)
     if done.reason == ERROR:
-        raise APIError(500, f"The server failed while generating: {done.error}", "server_error", None,
-                       "engine_error")
+        retry = {"Retry-After": "1"} if done.code == REPLICA_FAILED else None
+        raise APIError(503 if retry else 500, f"The server failed while generating: {done.error}", "server_error",
+                       None, done.code, headers=retry)
     _observe(state, start, first)
     text = p.echo + "".join(parts)
     build = schemas.chat_response if p.chat else schemas.completion_response
@@ -151,7 +154,7 @@ async def _stream(state, p: Prepared, rid: str, start: float) -> AsyncIterator[s
                 yield _sse(schemas.completion_chunk(rid, model, created, event))
         if done.reason == ERROR:
             yield _sse({"error": {"message": f"The server failed while generating: {done.error}",
-                                  "type": "server_error", "param": None, "code": "engine_error"}})
+                                  "type": "server_error", "param": None, "code": done.code}})
         else:
             _observe(state, start, first)
             if p.chat:

@@ -33,6 +33,7 @@ class Done:
     completion_tokens: int = 0
     cached: dict[str, int] = field(default_factory=dict)  # prompt tokens whose KV came from each tier
     error: str | None = None     # with reason "error": what failed
+    code: str = "engine_error"   # with reason "error": the OpenAI error code the client gets
 
 
 @dataclass(eq=False)
@@ -42,6 +43,8 @@ class Job:
     hints: Hints = field(default_factory=Hints)
     stops: list[str] = field(default_factory=list)
     context: str | None = None             # the latest message, for the predictor
+    streamed: bool = False                 # the client reads text as it comes (SSE): a replica lost
+                                           # after the first piece cannot be retried (pbkv.scale)
     # the event loop's side (`EngineWorker.submit`)
     events: asyncio.Queue | None = None
     loop: asyncio.AbstractEventLoop | None = None

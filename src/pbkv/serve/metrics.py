@@ -17,9 +17,11 @@ from typing import Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from pbkv.engine.request import HIT_TIERS
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"   # the text format `generate_latest` writes
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TIERS = ("device", "host", "disk")
+TIERS = HIT_TIERS   # where a prompt's KV came from: the local tiers and the shared directory
 
 
 class Metrics:
@@ -57,7 +59,7 @@ class Metrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.completion_tokens.inc(completion_tokens)
         for tier in TIERS:
-            self.hit_tokens.labels(tier=tier).inc(hits[tier])
+            self.hit_tokens.labels(tier=tier).inc(hits.get(tier, 0))
         self.recomputed_tokens.inc(recomputed)
         if cancelled:
             self.cancelled.inc()

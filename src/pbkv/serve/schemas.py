@@ -17,6 +17,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pbkv.engine.request import HIT_TIERS
+
 MAX_STOP = 4          # OpenAI's limit on stop sequences
 MAX_HINT_CHARS = 256  # workflow ids and agent names are labels, not payloads
 SEED_RANGE = 2**63    # torch.Generator.manual_seed takes 64-bit seeds; any integer maps into [0, 2**63)
@@ -126,7 +128,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-TIERS = ("device", "host", "disk")
+TIERS = HIT_TIERS
 
 
 def usage(prompt: int, completion: int, cached: dict[str, int] | None = None) -> dict:

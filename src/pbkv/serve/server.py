@@ -86,6 +86,8 @@ def build_state(cfg: ServeConfig) -> ServerState:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if cfg.cache.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {cfg.cache.block_size}")
+    if cfg.cache.shared_bytes is not None and cfg.cache.shared_bytes < 1:
+        raise ValueError(f"--shared-bytes must be >= 1, got {cfg.cache.shared_bytes}")
     block_size = cfg.cache.block_size
     setup = build_policy(cfg.policy, block_size, cfg.predictor_dir, cfg.online, cfg.learn_every,
                          learn_steps=cfg.learn_steps, learn_nice=cfg.learn_nice)
@@ -128,13 +130,14 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
     from pbkv.engine.hf import EngineOptions, HFEngine
 
     cache = TieredCache(RadixTree(cfg.cache.block_size), caps, policy)
-    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir,
+    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir, shared_dir=cfg.cache.shared_dir,
+                    shared_bytes=cfg.cache.shared_bytes,
                     options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
 
 
-def run(cfg: ServeConfig, log_level: str = "info") -> None:
+def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = None) -> None:
     import uvicorn
-    state = build_state(cfg)
+    state = state if state is not None else build_state(cfg)
     uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
 
 
@@ -144,10 +147,10 @@ class ServerThread:
     Use as a context manager; `stop()` runs the app's shutdown (engine thread stopped, workflows
     ended, predictor saved)."""
 
-    def __init__(self, cfg: ServeConfig, log_level: str = "warning"):
+    def __init__(self, cfg: ServeConfig, log_level: str = "warning", state: ServerState | None = None):
         import uvicorn
         self.cfg = cfg
-        self.state = build_state(cfg)
+        self.state = state if state is not None else build_state(cfg)   # given: an ingress (pbkv.scale)
         self.app = create_app(self.state)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -255,7 +255,7 @@ class EngineWorker:
             job.put(tail)
         completion = len(req.result.tokens) if req.result is not None else 0
         # per-tier hits are the engine's own count, taken when it first served the call
-        hits = {"device": req.device_hit, "host": req.host_hit, "disk": req.disk_hit}
+        hits = req.hits()
         self.metrics.served(req.call.input_length, completion, hits, req.recomputed, reason == CANCELLED)
         self._record(job, req, completion)
         self._count(-1)

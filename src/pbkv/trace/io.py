@@ -23,7 +23,7 @@ META_FIELDS = ("block_size", "source", "license", "notes")
 
 
 @contextmanager
-def _open(path: Path, mode: str) -> Iterator[IO[str]]:
+def open_trace(path: Path, mode: str) -> Iterator[IO[str]]:
     if path.suffix != ".gz":
         with open(path, mode, encoding="utf-8") as f:
             yield f
@@ -34,7 +34,7 @@ def _open(path: Path, mode: str) -> Iterator[IO[str]]:
         yield f
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     """A short, printable (ASCII-safe) rendering of a value for an error message."""
     try:
         text = json.dumps(value) if not isinstance(value, str) else ascii(value)
@@ -43,15 +43,15 @@ def _show(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
+def is_number(v) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
 
 
-class _Checker:
+class RowChecker:
     """Validates one line's object; `where` is 'FILE:LINE' for messages."""
 
     def __init__(self, where: str, obj: dict):
@@ -59,7 +59,7 @@ class _Checker:
 
     def fail(self, field: str, msg: str):
         value = self.obj.get(field, None)
-        shown = "missing" if field not in self.obj else f"got {_show(value)}"
+        shown = "missing" if field not in self.obj else f"got {show_value(value)}"
         raise TraceError(f"{self.where}: field '{field}': {msg}, {shown}")
 
     def required(self, field: str):
@@ -71,7 +71,7 @@ class _Checker:
         if field not in self.obj and not required:
             return None
         v = self.required(field)
-        if not _is_int(v) or v < minimum:
+        if not is_int(v) or v < minimum:
             self.fail(field, f"expected an integer >= {minimum}")
         return v
 
@@ -87,15 +87,15 @@ class _Checker:
         if field not in self.obj:
             return None
         v = self.obj[field]
-        if not _is_number(v) or v < 0:
+        if not is_number(v) or v < 0:
             self.fail(field, "expected a finite number >= 0")
         return float(v)
 
 
 def parse_meta(obj: dict, where: str) -> TraceMeta:
-    chk = _Checker(where, obj)
+    chk = RowChecker(where, obj)
     version = obj.get("pbkv_trace")
-    if not _is_int(version) or version != 1:  # not true, not 1.0: exactly the integer 1
+    if not is_int(version) or version != 1:  # not true, not 1.0: exactly the integer 1
         chk.fail("pbkv_trace", "only trace format version 1 is supported")
     bs = chk.int_field("block_size", 1, required=False) or DEFAULT_BLOCK_SIZE
     fields = {k: chk.str_field(k, required=False, nonempty=False) for k in ("source", "license", "notes")}
@@ -105,14 +105,14 @@ def parse_meta(obj: dict, where: str) -> TraceMeta:
 
 def parse_call(obj: dict, where: str, block_size: int) -> Call:
     """Check one call line against every per-line rule of the format and build the `Call`."""
-    chk = _Checker(where, obj)
+    chk = RowChecker(where, obj)
     wf = chk.str_field("workflow_id")
     step = chk.int_field("step", 0)
     agent = chk.str_field("agent")
     input_length = chk.int_field("input_length", 1)
     output_length = chk.int_field("output_length", 0)
     hash_ids = chk.required("hash_ids")
-    if not isinstance(hash_ids, list) or not all(_is_int(h) for h in hash_ids):
+    if not isinstance(hash_ids, list) or not all(is_int(h) for h in hash_ids):
         chk.fail("hash_ids", "expected a list of integers")
     want = -(-input_length // block_size)
     if len(hash_ids) != want:
@@ -153,7 +153,7 @@ class _CrossLineChecks:
                 raise TraceError(
                     f"{self.name}:{line}: field 'hash_ids': id {h} at position {pos} follows {prev}, but at "
                     f"line {known[2]} it is at position {known[1]} after {known[0]} (ids must be chained), "
-                    f"got {_show(call.hash_ids)}")
+                    f"got {show_value(call.hash_ids)}")
             prev = h
 
     def finish(self, calls: list[Call], lines: list[int]):
@@ -185,11 +185,11 @@ def read_trace(path: str | Path) -> Trace:
     for lineno, _, obj in read_lines(path, name):
         where = f"{name}:{lineno}"
         if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object, got {_show(obj)}")
+            raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
         if "pbkv_trace" in obj:
             if calls:
                 raise TraceError(f"{where}: field 'pbkv_trace': the metadata line must come before "
-                                 f"every call, got {_show(obj['pbkv_trace'])}")
+                                 f"every call, got {show_value(obj['pbkv_trace'])}")
             meta = parse_meta(obj, where)
             continue
         call = parse_call(obj, where, meta.block_size)
@@ -246,7 +246,7 @@ def write_trace(trace: Trace, path: str | Path) -> Path:
     """Write the metadata line then one line per call; gzip when the name ends in `.gz`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _open(path, "w") as f:
+    with open_trace(path, "w") as f:
         for line in iter_lines(trace):
             f.write(line + "\n")
     return path

@@ -22,12 +22,17 @@ Admission of a request whose longest cached prefix reaches into host or disk (`_
 - a node whose data proved unreadable (`lost`) ends the usable prefix and is dropped from the
   tree (with its subtree, whose KV is useless without it) as soon as nothing pins it;
 - a request's load is aborted when the request is cancelled (`_abort_load`): the move's space
-  and pin go back at once, and whatever the worker still reads for it is discarded unread.
+  and pin go back at once, and whatever the worker still reads for it is discarded unread;
+- with a shared tier (`shared.py`), an admitted request whose local prefix is on the device and
+  not promoted continues its match in the shared directory from there (after its space is
+  reserved: a blocked request reads nothing); those tokens are counted as "shared" hits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from pbkv.cache import Move, Node, Tier
 from pbkv.engine.base import tokens_by_tier
@@ -45,8 +50,10 @@ class Admission:
 
     req: Request
     path: list[Node]          # device nodes, root side first
-    cached: int               # prompt tokens whose KV comes from `path`
+    cached: int               # prompt tokens whose KV is reused: from `path`, then from `shared`
     promote: Move | None = None
+    shared: torch.Tensor | None = None   # KV read from the shared tier, right after `path`'s
+    keys: list[int] | None = None        # the prompt's shared-tier keys, when already computed
 
 
 class CacheOps:
@@ -79,7 +86,9 @@ class CacheOps:
             elif pin is not None:
                 self.tree.unlock(pin)
             return BLOCKED, None
+        shared, keys = self._read_shared(req, cached, cap) if promote is None else (None, None)
         req.count_hits([cached, 0, 0])
+        req.count_shared(0 if shared is None else shared.shape[3])
         if recomputing:
             self.stats.recompute_instead_of_load += 1
         if req.node is not None:  # the pin its completed load held
@@ -87,7 +96,8 @@ class CacheOps:
         req.node, req.reserved, req.cached, req.admitted = pin, need, cached, self.clock.now()
         if pin is not None:
             self.tree.touch(pin, req.admitted, req.workflow, call.agent)
-        return ADMITTED, Admission(req, path[:first], cached, promote)
+        return ADMITTED, Admission(req, path[:first], cached + (0 if shared is None else shared.shape[3]),
+                                   promote, shared, keys)
 
     def _usable_path(self, req: Request) -> list[Node] | None:
         """The cached path of `req`'s prompt, root side first, cut before its first lost node;

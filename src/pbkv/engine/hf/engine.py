@@ -25,7 +25,8 @@ prefilled, its new full blocks (and partial tail) become a device node with its 
 final hidden state of the last prompt token goes to the policy (`on_prefill`, `on_call_end`:
 `CallEvent.hidden`). The last prompt token is always computed (its logits pick the first output
 token). Host/disk prefixes are loaded or recomputed: see `admit.py`; prefill, decode and the end
-of a request: `execute.py`.
+of a request: `execute.py`; with `shared_dir`, a directory shared with other engines continues
+the local match and receives each prefill's computed blocks: `shared.py`.
 
 Invariants: a node's KV lives in its tier (`kvstore.py`); device tokens in use = tree nodes +
 what live requests reserved (prompt suffix + max new tokens; pending loads), as in the
@@ -44,6 +45,7 @@ from pbkv.engine.hf.admit import CacheOps
 from pbkv.engine.hf.execute import ExecOps
 from pbkv.engine.hf.kvstore import KVStore
 from pbkv.engine.hf.model import LoadedModel
+from pbkv.engine.hf.shared import SharedOps, SharedTier
 from pbkv.engine.hf.state import (LOAD_RULES, EngineError, EngineOptions, EngineStats, Output, Seq,  # noqa: F401
                                   Stuck)
 from pbkv.engine.hf.tokens import TokenMapper, block_hashes
@@ -54,16 +56,18 @@ from pbkv.policy import Policy
 from pbkv.trace import DEFAULT_AGENT, Call
 
 
-class HFEngine(ExecOps, CacheOps, EngineBase):
+class HFEngine(ExecOps, CacheOps, SharedOps, EngineBase):
     def __init__(self, lm: LoadedModel, cache: TieredCache, policy: Policy,
                  tokenize: Callable[[Call], list[int]] | None = None, clock=None, worker: Worker | None = None,
-                 options: EngineOptions | None = None, disk_dir=None):
+                 options: EngineOptions | None = None, disk_dir=None, shared_dir=None,
+                 shared_bytes: int | None = None):
         self.clock = clock or WallClock()
         super().__init__(cache, policy, EngineStats(), self.clock.now)
         self.lm = lm
         self.opts = options or EngineOptions()
         self.store = KVStore(lm.device, worker or Worker(), disk_dir)
         cache.storage = self.store
+        self.shared = SharedTier(shared_dir, lm, self.tree.block_size, shared_bytes) if shared_dir else None
         self.tokenize = tokenize or TokenMapper(lm.vocab_size, self.tree.block_size, self.opts.seed).tokens
         self.rates = Rates(lm.kv_bytes_per_token)
         self._running: list[Seq] = []   # decoding (`_waiting`, FCFS, also holds requests whose prefix loads)

@@ -66,7 +66,9 @@ class ExecOps:
             raise EngineError(f"call {call.workflow_id} step {call.step}: {len(tokens)} token ids for "
                               f"input_length {call.input_length}")
         start = time.perf_counter()
-        past = self.store.gather(adm.path, adm.cached)
+        past = self.store.gather(adm.path, adm.cached - (0 if adm.shared is None else adm.shared.shape[3]))
+        if adm.shared is not None:
+            past = adm.shared if past is None else torch.cat([past, adm.shared], dim=3)
         try:
             logits, hidden, kv = forward(self.lm, tokens[adm.cached:], make_cache(past))
         except Exception as e:  # noqa: BLE001 - this request's own computation: it alone ends
@@ -81,6 +83,7 @@ class ExecOps:
         self.stats.prefill_seconds += seconds
         self.stats.computed_tokens += computed
         self.rates.saw_prefill(computed, seconds)
+        self._write_shared(tokens, adm.cached, kv, adm.keys)
 
         def kv_of(a: int, b: int) -> torch.Tensor:
             return cache_to_kv(kv, a, b)

@@ -47,7 +47,8 @@ class EngineStats(base.EngineStats):
     """The shared counters (`pbkv.engine.base.EngineStats`) plus the real engine's own."""
 
     computed_tokens: int = 0                 # prompt tokens run through the model in prefill
-    loaded_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])   # by source tier
+    # tokens loaded, by source: device (unused), host, disk, shared (`pbkv.engine.request.HIT_TIERS`)
+    loaded_tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     load_waits: int = 0                      # requests that waited for a prefix already in flight
     recompute_instead_of_load: int = 0       # requests that recomputed a host/disk prefix
     failed_loads: int = 0                    # loads refused (corrupt or missing disk data)

@@ -7,7 +7,8 @@
 - `WallClock` / `ManualClock`: time is injected. The wall clock skips idle gaps (every workflow
   waiting on a tool) instead of sleeping; a test's manual clock moves only when told.
 - `Rates`: running estimates (exponential averages of what was measured in this process) of
-  prefill tokens/s, load bytes/s per source tier and decode-step seconds.
+  prefill tokens/s, load bytes/s per source tier (the shared directory included) and
+  decode-step seconds.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class Rates:
 
     kv_bytes: int                               # KV bytes per token
     prefill_tps: float = 2000.0                 # prefill tokens per second
-    load_bps: list[float] = field(default_factory=lambda: [1e12, 5e9, 1e9])  # bytes/s by source tier
+    # bytes/s by source: device, host, disk, shared directory (`pbkv.engine.request.HIT_TIERS`)
+    load_bps: list[float] = field(default_factory=lambda: [1e12, 5e9, 1e9, 5e8])
     load_latency: float = 2e-3                  # fixed seconds per load
     decode_step: float = 0.01                   # seconds per decode step (all running requests)
     alpha: float = 0.3                          # weight of the newest measurement
@@ -99,7 +101,7 @@ class Rates:
         if tokens >= 16 and seconds > 0:  # tiny prefills are overhead, not throughput
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
 
-    def saw_load(self, tier: Tier, nbytes: int, seconds: float) -> None:
+    def saw_load(self, tier: int, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self.load_bps[tier] = self._mix(self.load_bps[tier], nbytes / seconds)
 

@@ -10,7 +10,10 @@ Extra config (all optional): `policy` (a pbkv policy name, default "lru" without
 "pbkv" with one), `predictor_dir` (a predictor saved by `pbkv train`), `device_tokens` (pbkv's model
 of vLLM's GPU prefix cache; default vLLM's whole pool), `host_tokens` (RAM tier, default 4 x
 device), `disk_tokens` (default 0: no disk tier), `disk_dir`, `steer_gpu` (default true: see
-`gpu_pool.py`), `stats_path` (a JSON file rewritten as requests finish).
+`gpu_pool.py`), `stats_path` (a JSON file rewritten as requests finish), `shared_dir` (a directory
+of KV blocks shared by every instance of the same model, keyed by vLLM's block hashes: needs a
+sha256 `prefix_caching_hash_algo` and, on a vLLM older than 0.32, the same PYTHONHASHSEED on
+every instance, else the connector refuses to start; see `shared.py`) and `shared_bytes` (its bound, default 8 GiB).
 
 vLLM builds one instance per role: the scheduler's (`shadow.Shadow`: tree, policy, decisions)
 and one per worker rank (`store.BlockStore`: the data). Decisions travel as the step's metadata
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 
 from pbkv.cache import CacheConfig, CapacityDefaults  # noqa: E402
 from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
+from pbkv.integrations.vllm.shared import SharedBlocks, instance_identity, key_problem  # noqa: E402
 from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
 from pbkv.integrations.vllm.store import BlockStore  # noqa: E402
 
@@ -64,11 +69,28 @@ class PBKVConnector(KVConnectorBase_V1):
         self.store: BlockStore | None = None
         self._pool = None
         self._local: dict[str, int] = {}   # request -> vLLM's own prefix hit at the last lookup
+        rank = getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0
         if role == KVConnectorRole.SCHEDULER:
             self.shadow = self._make_shadow(extra)
+            self.shadow.shared = self._shared(vllm_config, extra, None)
         else:
-            rank = getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0
-            self.store = BlockStore(extra.get("disk_dir"), rank=rank)
+            self.store = BlockStore(extra.get("disk_dir"), rank=rank, shared=self._shared(vllm_config, extra, rank))
+
+    @staticmethod
+    def _shared(vllm_config, extra: dict, rank: int | None) -> SharedBlocks | None:
+        """The shared directory for one rank (a worker) or every rank (the scheduler: None)."""
+        if not extra.get("shared_dir"):
+            return None
+        cache, model = vllm_config.cache_config, vllm_config.model_config
+        algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+        from vllm.v1.core import kv_cache_utils
+        problem = key_problem(algo, os.environ, hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED"))
+        if problem is not None:
+            raise ValueError(f"pbkv connector: shared_dir {extra['shared_dir']!r} refused: {problem}")
+        world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1
+        ids = [instance_identity(model.model, getattr(model, "revision", None), model.dtype, cache.cache_dtype,
+                                 cache.block_size, algo, r, world) for r in ([rank] if rank is not None else range(world))]
+        return SharedBlocks(extra["shared_dir"], ids, int(extra["shared_bytes"]) if extra.get("shared_bytes") else None)
 
     def _make_shadow(self, extra: dict) -> Shadow:
         predictor_dir = extra.get("predictor_dir")
@@ -99,7 +121,8 @@ class PBKVConnector(KVConnectorBase_V1):
             self._pool.remember(keys, request.block_hashes)
         hints = parse_hints(request.kv_transfer_params)
         self._local[request.request_id] = num_computed_tokens
-        n = self.shadow.match(request.request_id, keys, request.num_prompt_tokens, num_computed_tokens, hints)
+        n = self.shadow.match(request.request_id, keys, request.num_prompt_tokens, num_computed_tokens, hints,
+                              hashes=list(request.block_hashes) if self.shadow.shared is not None else None)
         return n, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
@@ -143,6 +166,8 @@ class PBKVConnector(KVConnectorBase_V1):
             self.store.move(op, key)
         for key, block_id in meta.plan.loads:
             self.store.load(key, block_id)
+        for block_hash, block_id in meta.plan.shared_loads:
+            self.store.load_shared(block_hash, block_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -156,6 +181,8 @@ class PBKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for key, block_id in meta.plan.saves:
             self.store.save(key, block_id)
+        for block_hash, block_id in meta.plan.shared_saves:
+            self.store.save_shared(block_hash, block_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.store is None:

@@ -6,7 +6,12 @@ Imports no vLLM, so it is unit-tested in the main venv. The tree's tiers mean:
   connector can read KV only while a request runs, so the copy that an eviction to host would
   need must already exist. The mirror is not counted against `host_tokens`;
 - HOST: the connector's RAM tier (`host_tokens`);
-- DISK: one safetensors file per block (`disk_tokens`), sha256-checked when read.
+- DISK: one safetensors file per block (`disk_tokens`), sha256-checked when read;
+- and, below the tree, an optional directory shared with other vLLM instances (`shared.py`,
+  `shared`): after the tree's longest prefix a request's match goes on there block by block
+  (by vLLM's full block hashes, `hashes`), those blocks are loaded straight into vLLM's paged
+  cache (`Plan.shared_loads`), and every block a request computes is written there once
+  (`Plan.shared_saves`). Local cache management does not see this tier.
 
 Invariants:
 - block keys are vLLM's chained block hashes (as ints), so a key names a whole prefix;
@@ -35,9 +40,11 @@ class Plan:
     moves: list[tuple[str, int]] = field(default_factory=list)   # ("disk"|"host"|"drop", key)
     loads: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), before the forward
     saves: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), after the forward
+    shared_loads: list[tuple[bytes, int]] = field(default_factory=list)   # (full block hash, block id)
+    shared_saves: list[tuple[bytes, int]] = field(default_factory=list)   # (full block hash, block id)
 
     def __bool__(self) -> bool:
-        return bool(self.moves or self.loads or self.saves)
+        return bool(self.moves or self.loads or self.saves or self.shared_loads or self.shared_saves)
 
 
 @dataclass
@@ -49,12 +56,14 @@ class Stats:
     gpu_hit_tokens: int = 0      # vLLM's own prefix cache
     host_hit_tokens: int = 0     # loaded from the connector's RAM
     disk_hit_tokens: int = 0     # loaded from the connector's disk files
+    shared_hit_tokens: int = 0   # loaded from the directory shared with other instances
     saved_tokens: int = 0
     gpu_demoted_blocks: int = 0  # blocks moved to the head of vLLM's free queue (gpu_pool.py)
 
     @property
     def computed_tokens(self) -> int:
-        return self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens - self.disk_hit_tokens
+        return (self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens - self.disk_hit_tokens
+                - self.shared_hit_tokens)
 
 
 @dataclass
@@ -68,6 +77,10 @@ class _Req:
     locked: Node | None = None
     load: tuple[int, int] | None = None    # (first block, blocks) to load at the next plan
     counted: bool = False
+    hashes: list | None = None             # vLLM's full block hashes (with a shared tier)
+    shared: tuple[int, int] = (0, 0)       # (first block, blocks) the shared tier holds after the match
+    shared_load: tuple[int, int] | None = None
+    shared_saved: int = 0                  # leading blocks already in the shared tier or handed to it
 
 
 class _Ops:
@@ -98,8 +111,9 @@ class Shadow:
     """pbkv's cache spine for one vLLM scheduler. See the module docstring."""
 
     def __init__(self, block_size: int, capacities: Capacities, policy: str = "lru",
-                 predictors: dict | None = None, clock=time.monotonic):
+                 predictors: dict | None = None, clock=time.monotonic, shared=None):
         self.block_size = block_size
+        self.shared = shared    # a `shared.SharedBlocks` over every rank's files, or None
         self.clock = clock
         ctx = PolicyContext(block_size=block_size, predictors=predictors or {})
         self.policy = make_policy(policy, ctx)
@@ -119,27 +133,40 @@ class Shadow:
     # ------------------------------------------------------------------ vLLM scheduler calls
 
     def match(self, req_id: str, keys: list[int], prompt_tokens: int, local_tokens: int,
-              hints: Hints) -> int:
-        """Tokens beyond vLLM's own `local_tokens` hit that the connector can load.
+              hints: Hints, hashes: list | None = None) -> int:
+        """Tokens beyond vLLM's own `local_tokens` hit that the connector can load: the tree's,
+        then the shared tier's (given `hashes`, vLLM's full block hashes).
 
         Only whole blocks, and never the last prompt token (vLLM must compute at least one)."""
         usable = min(len(keys), (prompt_tokens - 1) // self.block_size)
         if req_id not in self.reqs:
             self._start(req_id, keys, prompt_tokens, hints)
-        self.reqs[req_id].keys = keys
+        st = self.reqs[req_id]
+        st.keys, st.hashes = keys, hashes
         _, matched = self.tree.match(keys[:usable])
-        return max(0, matched - local_tokens // self.block_size) * self.block_size
+        local = local_tokens // self.block_size
+        end = max(matched, local)
+        st.shared = (end, 0)
+        if self.shared is not None and hashes is not None and end < usable:
+            st.shared = (end, self.shared.prefix(hashes[end:usable]))
+        return (end + st.shared[1] - local) * self.block_size
 
     def allocated(self, req_id: str, local_tokens: int, external_tokens: int) -> None:
         """vLLM allocated blocks: `external_tokens` will be loaded after `local_tokens`."""
         st = self.reqs[req_id]
         first, n = local_tokens // self.block_size, external_tokens // self.block_size
+        start, held = st.shared
+        shared = max(0, min(first + n, start + held) - max(first, start))
+        n -= shared
+        st.shared_load = (first + n, shared) if shared else None
+        st.shared_saved = max(st.shared_saved, first + n + shared)
         if not st.counted:
             st.counted = True
             s = self.stats
             s.requests += 1
             s.prompt_tokens += st.prompt_tokens
             s.gpu_hit_tokens += local_tokens
+            s.shared_hit_tokens += shared * self.block_size
         if n <= 0:
             return
         node, _ = self.tree.match(st.keys[:first + n])
@@ -171,6 +198,10 @@ class Shadow:
                 first, n = st.load
                 self.plan.loads.extend((st.keys[i], st.block_ids[i]) for i in range(first, first + n))
                 st.load = None
+            if st.shared_load is not None:
+                first, n = st.shared_load
+                self.plan.shared_loads.extend((st.hashes[i], st.block_ids[i]) for i in range(first, first + n))
+                st.shared_load = None
             st.computed = computed
             self._save(st)
         plan, self.plan = self.plan, Plan()
@@ -245,6 +276,9 @@ class Shadow:
         full = min(full, len(st.keys))
         if full <= 0:
             return
+        if self.shared is not None and st.hashes is not None and full > st.shared_saved:
+            self.plan.shared_saves.extend((st.hashes[i], st.block_ids[i]) for i in range(st.shared_saved, full))
+            st.shared_saved = full
         node, matched = self.tree.match(st.keys[:full])
         if matched:
             self._promote(node)   # the prefix is in vLLM's GPU memory now, used by this request

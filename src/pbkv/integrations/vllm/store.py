@@ -10,6 +10,9 @@ The paged cache's block dimension is found per layer as the dimension of size `n
 hard-coded. Plans are executed in order: moves, loads (before the forward), saves (after it).
 With tensor parallelism every rank runs its own store over its own KV shard, with the same keys
 and the same plan (the scheduler's decisions reach all ranks); files carry the rank in their name.
+With a shared directory (`shared.py`) a rank also loads blocks from it (checked; a missing or
+bad one is reported as a failed load, so vLLM recomputes it) and writes the blocks it computed
+there, once, on a writer thread (the copy out of the paged cache is made first, in step).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +42,13 @@ class StoreStats:
     files_written: int = 0
     corrupt: int = 0
     missing: int = 0        # a planned load or move of a key the store does not hold
+    loaded_shared_blocks: int = 0
+    shared_failed: int = 0  # planned shared loads that found no valid file (vLLM recomputes them)
+    shared_queued: int = 0  # blocks handed to the shared writer
 
 
 class BlockStore:
-    def __init__(self, directory: str | Path | None = None, rank: int = 0):
+    def __init__(self, directory: str | Path | None = None, rank: int = 0, shared=None):
         self._own = directory is None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="pbkv-vllm-"))
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -53,6 +60,8 @@ class BlockStore:
         self.layers: list[tuple[torch.Tensor, int]] = []  # (paged cache, block dim)
         self.stats = StoreStats()
         self.failed: set[int] = set()                   # block ids whose load failed this step
+        self.shared = shared                            # `shared.SharedBlocks` of this rank, or None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="pbkv-shared") if shared is not None else None
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         """Remember vLLM's paged KV tensors (one per attention layer) and their block dimension."""
@@ -113,7 +122,31 @@ class BlockStore:
         self.ram[key] = torch.stack([t.select(dim, block_id).to("cpu", copy=True) for t, dim in self.layers])
         self.stats.saved_blocks += 1
 
+    def load_shared(self, block_hash, block_id: int) -> bool:
+        """Copy a block from the shared directory into the paged cache; False (block id recorded
+        as failed) if it is missing, bad or of another shape."""
+        data = self.shared.get(block_hash)
+        t, dim = self.layers[0]
+        if data is None or tuple(data.shape) != (len(self.layers), *t.select(dim, block_id).shape):
+            self.stats.shared_failed += 1
+            self.failed.add(block_id)
+            return False
+        for i, (t, dim) in enumerate(self.layers):
+            t.select(dim, block_id).copy_(data[i])
+        self.stats.loaded_shared_blocks += 1
+        return True
+
+    def save_shared(self, block_hash, block_id: int) -> None:
+        """Queue a computed block for the shared directory (skipped when a file is there)."""
+        if self.shared.prefix([block_hash]):
+            return
+        data = torch.stack([t.select(dim, block_id).to("cpu", copy=True) for t, dim in self.layers])
+        self.stats.shared_queued += 1
+        self._writer.submit(self.shared.put, block_hash, data)
+
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
         if self._own:
             shutil.rmtree(self.directory, ignore_errors=True)
 

@@ -17,7 +17,7 @@ from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.trace.formats import agentic, bailian, mooncake
 from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, read_rows
 from pbkv.trace.formats.blocks import Rechainer
-from pbkv.trace.io import TraceError, _open, read_trace, validate, write_trace
+from pbkv.trace.io import TraceError, open_trace, read_trace, validate, write_trace
 
 __all__ = ["FORMATS", "Edge", "ExportReport", "Format", "ImportReport", "Rechainer", "export_file",
            "import_file", "import_trace"]
@@ -93,5 +93,5 @@ def export_file(name: str, src: str | Path, dst: str | Path) -> ExportReport:
     trace = read_trace(src)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with _open(dst, "w") as f:
+    with open_trace(dst, "w") as f:
         return fmt.write(trace, f)

@@ -1,6 +1,6 @@
 """What every foreign-format importer shares: reading rows with FILE:LINE errors, field checks, the report.
 
-A foreign row is checked with the native reader's `_Checker`, so a bad line fails with the same
+A foreign row is checked with the native reader's `RowChecker`, so a bad line fails with the same
 `TraceError` text the native reader gives: `FILE:LINE: field 'F': what was expected, got VALUE`.
 """
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pbkv.trace.io import TraceError, _Checker, _is_int, _is_number, _open, _show
+from pbkv.trace.io import TraceError, RowChecker, is_int, is_number, open_trace, show_value
 
 
 @dataclass(slots=True)
@@ -19,7 +19,7 @@ class Row:
 
     line: int
     obj: dict
-    chk: _Checker
+    chk: RowChecker
 
     @property
     def where(self) -> str:
@@ -32,7 +32,7 @@ def read_rows(path: str | Path, limit: int | None = None) -> list[Row]:
     if not path.exists():
         raise TraceError(f"{path}: no such trace file")
     rows: list[Row] = []
-    with _open(path, "r") as f:
+    with open_trace(path, "r") as f:
         for lineno, text in enumerate(f, 1):
             if limit is not None and len(rows) >= limit:
                 break
@@ -44,27 +44,27 @@ def read_rows(path: str | Path, limit: int | None = None) -> list[Row]:
             except json.JSONDecodeError as e:
                 raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {_show(obj)}")
-            rows.append(Row(lineno, obj, _Checker(where, obj)))
+                raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
+            rows.append(Row(lineno, obj, RowChecker(where, obj)))
     return rows
 
 
-def number(chk: _Checker, name: str, required: bool = False) -> float | None:
+def number(chk: RowChecker, name: str, required: bool = False) -> float | None:
     """A finite number >= 0 (None when absent and not required)."""
     if name not in chk.obj and not required:
         return None
     v = chk.required(name)
-    if not _is_number(v) or v < 0:
+    if not is_number(v) or v < 0:
         chk.fail(name, "expected a finite number >= 0")
     return float(v)
 
 
-def lengths_and_ids(chk: _Checker, block_size: int) -> tuple[int, int, list[int]]:
+def lengths_and_ids(chk: RowChecker, block_size: int) -> tuple[int, int, list[int]]:
     """(input_length, output_length, hash_ids), with `ceil(input_length / block_size)` ids."""
     input_length = chk.int_field("input_length", 1)
     output_length = chk.int_field("output_length", 0)
     ids = chk.required("hash_ids")
-    if not isinstance(ids, list) or not all(_is_int(h) for h in ids):
+    if not isinstance(ids, list) or not all(is_int(h) for h in ids):
         chk.fail("hash_ids", "expected a list of integers")
     want = -(-input_length // block_size)
     if len(ids) != want:
@@ -73,7 +73,7 @@ def lengths_and_ids(chk: _Checker, block_size: int) -> tuple[int, int, list[int]
     return input_length, output_length, ids
 
 
-def str_list(chk: _Checker, name: str) -> list[str]:
+def str_list(chk: RowChecker, name: str) -> list[str]:
     """An optional list of non-empty strings (empty when absent)."""
     v = chk.obj.get(name, [])
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):

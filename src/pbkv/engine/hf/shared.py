@@ -1,0 +1,161 @@
+"""The real engine's side of the shared KV tier: a directory several engines (processes, Ray
+replicas, `pbkv serve` instances) read and write (`pbkv.engine.shared_kv.SharedKVDir`).
+
+- keys: block i of a prompt is stored under `block_hashes(prompt token ids)[i]`
+  (`tokens.py`: chained and stable across processes, so a key names the whole prefix up to its
+  block) and the model's identity (`identity`: name, dtype, KV geometry and a fingerprint of
+  the weights, so two checkpoints, or two `tiny` models of different seeds, never share KV).
+  Only full blocks are stored: a partial last block is matched by the same prompt alone, and
+  the last prompt token is computed anyway;
+- writes: after a prefill, the full blocks it computed go to the directory on the engine's
+  worker thread (off the critical path). Written at prefill, not at eviction: another replica
+  can use a prefix as soon as it was computed, while the writer still holds it locally (a
+  workflow's next call routed elsewhere is the case that matters). Existing files are kept;
+  errors are counted (`write_errors`), never raised. The worker is FIFO and also runs host/disk
+  loads: a load queued behind a burst of writes waits for them (the price of one I/O thread);
+- reads: at admission, after the local tiers' longest usable prefix, the match goes on in the
+  directory block by block, each file checked (sha256, key, model, shape); the run stops at the
+  first missing or bad file (a bad one is removed and its tokens recomputed). Reads run on the
+  engine thread, in place of the prefill compute they save (the load rule decides, with the
+  measured read rate): a two-phase load like the host/disk tiers' is not built for this tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from pbkv.engine.hf.model import cache_to_kv
+from pbkv.engine.hf.tokens import block_hashes
+from pbkv.engine.kvfile import CorruptKV
+from pbkv.engine.request import SHARED
+from pbkv.engine.shared_kv import SharedKVDir, model_identity
+
+DEFAULT_SHARED_BYTES = 8 << 30   # the directory's bound when none is given (8 GiB)
+FINGERPRINT_VALUES = 1024        # values sampled per weight tensor for the identity
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name, shape, dtype and up to `FINGERPRINT_VALUES` evenly
+    strided values (exact bytes: no reductions, whose result could depend on thread counts)."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // FINGERPRINT_VALUES)
+        sample = flat[::step][:FINGERPRINT_VALUES].to("cpu").contiguous()
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+        h.update(sample.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def identity(lm) -> str:
+    """What must match for two engines' KV to be interchangeable (see the module docstring). The
+    name is the model folder's base name: replicas may mount one model at different paths (the
+    weights' fingerprint tells models apart)."""
+    base = model_identity(Path(lm.name).name or lm.name, lm.dtype, lm.layers, lm.kv_heads, lm.head_dim)
+    return f"{base}|{weights_fingerprint(lm.model)}"
+
+
+@dataclass
+class SharedCounters:
+    blocks_written: int = 0       # files this engine wrote (existing keys are not counted)
+    write_errors: int = 0
+    read_seconds: float = 0.0
+
+
+class SharedTier:
+    """One engine's handle on the shared directory (see the module docstring)."""
+
+    def __init__(self, directory: str | Path, lm, block_size: int, max_bytes: int | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.dir = SharedKVDir(directory, identity(lm), max_bytes or DEFAULT_SHARED_BYTES, clock)
+        self.block_size = block_size
+        self.shape = (lm.layers, 2, lm.kv_heads, block_size, lm.head_dim)
+        self.dtype, self.device = lm.dtype, lm.device
+        self.counters = SharedCounters()
+
+    def has(self, key: int) -> bool:
+        return self.dir.contains(key)
+
+    def read(self, keys: Sequence[int]) -> torch.Tensor | None:
+        """(engine thread) KV of the longest leading run of `keys` held and verified, joined along
+        the token axis, on the model's device; None if the first is missing or bad."""
+        start = time.perf_counter()
+        parts = []
+        for key in keys:
+            try:
+                kv = self.dir.get(key)
+            except CorruptKV:
+                break   # counted and removed by the directory: these tokens are recomputed
+            if kv is None:
+                break
+            if tuple(kv.shape) != self.shape or kv.dtype != self.dtype:
+                self.dir.stats.corrupt += 1   # a valid file of another geometry under our key
+                self.dir.path(key).unlink(missing_ok=True)
+                break
+            parts.append(kv)
+        self.counters.read_seconds += time.perf_counter() - start
+        if not parts:
+            return None
+        return torch.cat(parts, dim=3).to(self.device)
+
+    def write(self, keys: Sequence[int], kv: torch.Tensor) -> int:
+        """(worker thread) Store `kv` (the tokens of `len(keys)` full blocks) one file per block;
+        returns the files written. Never raises: a failed write only costs a later recompute."""
+        bs, written = self.block_size, 0
+        for i, key in enumerate(keys):
+            try:
+                written += self.dir.put(key, kv[:, :, :, i * bs:(i + 1) * bs])
+            except (OSError, RuntimeError, ValueError):
+                self.counters.write_errors += 1
+        self.counters.blocks_written += written
+        return written
+
+
+class SharedOps:
+    """Mixed into `HFEngine` (engine.py), which holds `shared` (a `SharedTier` or None), `tree`,
+    `rates`, `opts`, `stats`, `store`, `tokenize` and `_prompts`. Runs on the engine thread."""
+
+    def _shared_keys(self, req) -> list[int]:
+        tokens = self._prompts.get(id(req)) or self.tokenize(req.call)
+        return block_hashes(tokens, self.tree.block_size)
+
+    def _read_shared(self, req, device: int, cap: int) -> tuple[torch.Tensor | None, list[int] | None]:
+        """The shared tier's KV for the prompt tokens from `device` (the local prefix, whole
+        blocks) on, at most up to `cap`: (KV or None, the prompt's keys when computed)."""
+        sh, bs = self.shared, self.tree.block_size
+        if sh is None or device >= cap or device % bs or self.opts.load_rule == "recompute":
+            return None, None
+        first, last = device // bs, min(req.call.input_length // bs, -(-cap // bs))
+        if first >= last:
+            return None, None
+        keys = self._shared_keys(req)
+        want = min(last * bs, cap) - device
+        if not sh.has(keys[first]) or (self.opts.load_rule == "auto" and
+                                       self.rates.load_seconds([0, 0, 0, want]) > self.rates.prefill_seconds(want)):
+            return None, keys
+        start = time.perf_counter()
+        kv = sh.read(keys[first:last])
+        if kv is None:
+            return None, keys
+        self.rates.saw_load(SHARED, kv.numel() * kv.element_size(), time.perf_counter() - start)
+        kv = kv[:, :, :, :min(kv.shape[3], cap - device)]
+        self.stats.loaded_tokens[SHARED] += kv.shape[3]
+        return kv, keys
+
+    def _write_shared(self, tokens: list[int], reused: int, kv, keys: list[int] | None) -> None:
+        """Queue the prompt's full blocks that this prefill computed (those ending after the
+        `reused` tokens) for the shared directory; `kv` is the prefill's extended cache."""
+        sh, bs = self.shared, self.tree.block_size
+        if sh is None:
+            return
+        first, last = reused // bs, len(tokens) // bs
+        if first >= last:
+            return
+        keys = keys or block_hashes(tokens, bs)
+        self.store.worker.submit(sh.write, keys[first:last], cache_to_kv(kv, first * bs, last * bs))

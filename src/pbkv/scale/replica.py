@@ -1,0 +1,115 @@
+"""One pbkv engine replica of `pbkv serve --replicas N` (a Ray Serve deployment; needs `pbkv[scale]`).
+
+A replica is today's single-process engine side, built by the same `pbkv.serve.build_state`
+from the same `ServeConfig` (model, `CacheConfig` passed through unchanged, policy, workflow
+table, engine thread): everything but HTTP. The ingress (`pbkv.scale.serve_app`) parses,
+checks and tokenizes a request, then streams `generate(route, job)` from the replica its router
+chose: first `{"replica": id}` (so the ingress knows where the call runs before any text), then
+text pieces (`str`), then exactly one `Done`, the same events `EngineWorker` gives a local job.
+Closing the stream early (the client went away, or Ray cancelled it) cancels the job.
+
+`record_routing_stats` reports the replica's cache for the router: `ReplicaSnapshot.to_stats()`
+(every block id it caches in any tier, each live workflow's tokens of KV, its load = jobs in
+flight) plus `tiers` (block ids per tier) and a `seq` that changes with every report; it is
+taken on the engine thread, between two engine steps, like /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from pbkv.route import ReplicaSnapshot
+from pbkv.serve.gauges import TIERS, engine_snapshot
+from pbkv.serve.jobs import Done, Job
+from pbkv.serve.server import ServeConfig, build_state
+
+log = logging.getLogger("pbkv.scale")
+
+
+def cache_stats(engine, table, load: float, replica_id: str) -> dict:
+    """What a replica reports to the router (see the module docstring). Engine thread only."""
+    names = {tier: name for name, tier in TIERS}
+    tiers: dict[str, list[int]] = {name: [] for name, _ in TIERS}
+    for node in engine.tree.iter_nodes():
+        tiers[names[node.tier]].extend(node.blocks)
+    workflows = {}
+    for run in table.live.values():
+        if run.workflow_id is not None:
+            nodes = engine.tree.workflow_nodes.get(run.workflow, {})
+            workflows[run.workflow_id] = sum(n.tokens for n in nodes.values() if n.alive)
+    blocks = frozenset(b for ids in tiers.values() for b in ids)
+    snap = ReplicaSnapshot(replica_id, float(load), blocks, workflows, engine.tree.block_size)
+    return snap.to_stats() | {"tiers": tiers}
+
+
+class EngineReplica:
+    """The deployment's class (`serve_app.engine_deployment` wraps it in `serve.deployment`)."""
+
+    def __init__(self, cfg: ServeConfig):
+        from ray import serve   # here, so `cache_stats` imports without Ray
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self.state = build_state(cfg)
+        self.seq = 0
+
+    # ------------------------------------------------------------------ the router's view
+
+    async def record_routing_stats(self) -> dict:
+        worker = self.state.worker
+        stats = await asyncio.wrap_future(worker.call(
+            lambda: cache_stats(worker.engine, worker.table, worker.in_flight, self.id)))
+        self.seq += 1
+        return stats | {"seq": self.seq}
+
+    # ------------------------------------------------------------------ calls
+
+    async def generate(self, route: dict, job: Job):
+        """One call: `{"replica": id}`, text pieces, then one `Done` (see the module docstring).
+        `route` is the router's hints (unused here: it travels as an argument so the router reads it)."""
+        yield {"replica": self.id}
+        worker = self.state.worker
+        worker.submit(job)
+        done = None
+        try:
+            while done is None:
+                event = await job.events.get()
+                pieces = [event]
+                while not isinstance(pieces[-1], Done) and not job.events.empty():  # a burst: one message
+                    pieces.append(job.events.get_nowait())
+                if isinstance(pieces[-1], Done):
+                    done = pieces.pop()
+                if pieces:
+                    yield "".join(pieces)
+            yield done
+        finally:
+            if done is None:   # the ingress stopped reading: stop generating for nobody
+                worker.cancel(job)
+
+    async def end_workflow(self, workflow_id: str) -> bool:
+        """Ends this replica's run of `workflow_id`; False when it has none."""
+        return await asyncio.wrap_future(self.state.worker.end_workflow(workflow_id))
+
+    # ------------------------------------------------------------------ broadcast to every replica
+
+    def info(self) -> dict:
+        """What the ingress needs to check and tokenize requests as this replica would."""
+        s = self.state
+        return {"replica": self.id, "model_name": s.model_name, "policy": s.policy_name,
+                "max_context": s.max_context, "block_size": s.worker.engine.tree.block_size,
+                "tokenizer": s.tokenizer}
+
+    async def metrics(self) -> tuple[str, str]:
+        """(replica id, this replica's /metrics text)."""
+        s, worker = self.state, self.state.worker
+        snapshot = await asyncio.wrap_future(worker.call(lambda: engine_snapshot(
+            worker.engine, worker.in_flight, len(worker.table.live), s.metrics.hit_rates())))
+        return self.id, s.metrics.exposition(snapshot).decode()
+
+    def __del__(self):
+        """Ray Serve's graceful stop: the single-process shutdown (engine thread stopped, every
+        workflow ended, the predictor saved, the engine closed)."""
+        for fn in getattr(getattr(self, "state", None), "on_shutdown", ()):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - run every shutdown step
+                log.exception("replica shutdown step failed")

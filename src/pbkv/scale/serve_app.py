@@ -1,0 +1,199 @@
+"""`pbkv serve --replicas N`: the OpenAI API in front of N engine replicas on Ray Serve.
+
+Two parts:
+- the engine deployment (`engine_app`): N `EngineReplica`s (`pbkv.scale.replica`), each today's
+  engine side built from the same `ServeConfig`, behind pbkv's `PBKVRequestRouter` running the
+  router named by `--router` (`pbkv.route` registry); Ray restarts a replica that dies;
+- the ingress (`ingress_state`): this process's uvicorn and `pbkv.serve.app`, unchanged (the
+  same routes, hints, API key, limits, error shapes), whose worker is a `RemoteWorker`
+  (`pbkv.scale.remote`: tokenized calls go to the replica the router picks; retries), whose
+  /metrics merges every replica's (`pbkv.scale.metrics_merge`) and whose /health names the
+  replicas that answer.
+Why the ingress is this process and not a Ray Serve ingress deployment: it keeps the server's
+own connection limits (header/body timeouts, keep-alive, max connections: `serve/limits.py`) and
+`--host/--port` exactly, needs no Ray HTTP proxy (started with `proxy_location="Disabled"`,
+so nothing else binds a port), and tokenizing is cheap next to generation.
+
+Ray: a local one (`ray.init(address="local")`) unless `ray_address` names a cluster to join
+(`auto`, or its GCS address, from a node of the cluster: Ray Client `ray://` addresses cannot
+stream from deployments, so they are refused); pbkv must be importable on its nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+
+import ray
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from pbkv.scale import metrics_merge
+from pbkv.scale.probe import CPU_COSTS, ROUTER_CLASS
+from pbkv.scale.remote import RemoteWorker
+from pbkv.scale.replica import EngineReplica
+from pbkv.serve.app import ServerState
+from pbkv.serve.metrics import Metrics
+from pbkv.serve.server import ServeConfig
+
+log = logging.getLogger("pbkv.scale")
+DEPLOYMENT = "PBKVEngine"
+
+
+@dataclass
+class ReplicaOptions:
+    """How the engine deployment is laid out (the rest is `ServeConfig`, shared by every replica)."""
+
+    replicas: int = 2
+    router: str = "pbkv"
+    router_config: dict | None = None   # RouterConfig fields; None: CPU costs without CUDA, else defaults
+    ray_address: str | None = None      # None: a local Ray started (and stopped) here
+    app_name: str = "pbkv"
+    stats_period_s: float = 1.0         # how often each replica reports its cache to the router
+    replica_cpus: float = 1.0           # Ray CPUs reserved per replica
+    replica_gpus: float = 0.0
+
+
+def default_router_config() -> dict:
+    import torch
+    return {} if torch.cuda.is_available() else dict(CPU_COSTS)
+
+
+def check_options(opts: ReplicaOptions) -> None:
+    """Refuse a bad layout before Ray starts (ValueError, with the known router names)."""
+    from pbkv.route import router_class
+    router_class(opts.router)
+    if opts.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {opts.replicas}")
+    if (opts.ray_address or "").startswith("ray://"):
+        raise ValueError(f"--ray-address {opts.ray_address}: Ray Client (ray://) cannot stream from deployments, "
+                         f"which every call does; run pbkv serve on a node of the cluster with --ray-address auto")
+
+
+def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
+    """The bound engine deployment (give it to `serve.run`)."""
+    check_options(opts)
+    config = default_router_config() if opts.router_config is None else opts.router_config
+    router_cfg = RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                     request_router_kwargs={"router": opts.router, "config": config},
+                                     request_routing_stats_period_s=opts.stats_period_s)
+    deployment = serve.deployment(EngineReplica, name=DEPLOYMENT)
+    return deployment.options(
+        num_replicas=opts.replicas, max_ongoing_requests=cfg.max_queue + 64,   # the ingress bounds the queue
+        ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
+        request_router_config=router_cfg, graceful_shutdown_timeout_s=30).bind(cfg)
+
+
+def start_ray(opts: ReplicaOptions, **init_kwargs) -> bool:
+    """Connect to Ray (join `ray_address`, else start a local one); True when started here."""
+    if ray.is_initialized():
+        return False
+    if opts.ray_address:
+        ray.init(address=opts.ray_address, namespace=f"pbkv-{opts.app_name}", **init_kwargs)
+        return True
+    cpus = max(os.cpu_count() or 1, int(opts.replicas * opts.replica_cpus + 0.999))
+    ray.init(address="local", namespace=f"pbkv-{secrets.token_hex(3)}", num_cpus=cpus,
+             include_dashboard=False, **init_kwargs)
+    return True
+
+
+def deploy(cfg: ServeConfig, opts: ReplicaOptions):
+    """Start Serve without its HTTP proxy and run the engine deployment; its handle."""
+    serve.start(proxy_location="Disabled")
+    return serve.run(engine_app(cfg, opts), name=opts.app_name, route_prefix=None)
+
+
+def _wait_for_replicas(handle, replicas: int, timeout: float = 120.0) -> list[dict]:
+    """Every replica's `info()`, once the handle's router knows all `replicas` of them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = handle.broadcast("info").results(timeout_s=max(1.0, deadline - time.monotonic()))
+        if len(infos) >= replicas or time.monotonic() > deadline:
+            return infos
+        time.sleep(0.1)   # the router learns of the replicas from Ray's controller shortly after serve.run
+
+
+def ingress_state(cfg: ServeConfig, handle, replicas: int) -> ServerState:
+    """The app's state for an ingress in front of the deployment behind `handle`."""
+    infos = _wait_for_replicas(handle, replicas)
+    if not infos:
+        raise RuntimeError("no engine replica answered")
+    info = infos[0]
+    metrics = Metrics()
+    retried = Counter("pbkv_replica_retried_requests_total", "Calls sent again to another replica because "
+                      "theirs was lost before any text reached the client.", registry=metrics.registry)
+    failed = Counter("pbkv_replica_failed_requests_total", "Calls ended with a replica_failed error: their "
+                     "replica was lost mid-stream, or again on the retry.", registry=metrics.registry)
+    worker = RemoteWorker(handle, info["block_size"], retried, failed)
+    state = ServerState(model_name=info["model_name"], policy_name=info["policy"], tokenizer=info["tokenizer"],
+                        worker=worker, metrics=metrics, max_context=info["max_context"], config=cfg)
+    answering = {"replicas": len(infos)}
+
+    async def exposition() -> bytes:
+        results = await handle.broadcast("metrics").results_async(timeout_s=30, return_exceptions=True)
+        texts = dict(r for r in results if isinstance(r, tuple))
+        answering["replicas"] = len(texts)
+        live = GaugeMetricFamily("pbkv_replicas", "Engine replicas that answered this scrape.", value=len(texts))
+        return metrics_merge.merge(metrics.exposition().decode(), texts, [live])
+
+    state.exposition = exposition
+    state.health = lambda: {"replicas": answering["replicas"]}
+    return state
+
+
+class ReplicaServer:
+    """Ray, the engine deployment and the ingress, started together; `stop()` ends all three (Ray
+    only when started here). `server` is the ingress's `ServerThread` (its `url`)."""
+
+    def __init__(self, cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "warning", **ray_init):
+        from pbkv.serve.server import ServerThread
+        self.opts = opts
+        check_options(opts)
+        self.own_ray = start_ray(opts, **ray_init)
+        self.handle = deploy(cfg, opts)
+        self.state = ingress_state(cfg, self.handle, opts.replicas)
+        self.server = ServerThread(cfg, log_level=log_level, state=self.state)
+        self.url = self.server.url
+
+    def start(self) -> "ReplicaServer":
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+        shutdown(self.opts.app_name, self.own_ray)
+
+    def __enter__(self) -> "ReplicaServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def shutdown(app_name: str, own_ray: bool) -> None:
+    try:
+        serve.delete(app_name)
+    finally:
+        if own_ray:
+            serve.shutdown()
+            ray.shutdown()
+
+
+def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info") -> None:
+    """`pbkv serve --replicas N`: in the foreground until Ctrl-C, then the deployment is deleted."""
+    from pbkv.serve.server import check_config, run as run_ingress
+    check_config(cfg)
+    check_options(opts)
+    own_ray = start_ray(opts)
+    try:
+        handle = deploy(cfg, opts)
+        state = ingress_state(cfg, handle, opts.replicas)
+        log.info("%d engine replicas up behind the %r router", opts.replicas, opts.router)
+        run_ingress(cfg, log_level, state=state)
+    finally:
+        shutdown(opts.app_name, own_ray)

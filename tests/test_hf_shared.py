@@ -1,0 +1,115 @@
+"""Two real engines in one process sharing a KV directory: B loads the prefix A computed,
+counted on the "shared" tier, with outputs identical to a run without the directory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_helpers import BS, assert_same_as_reference, check, lm, random_prompt  # noqa: F401
+from pbkv.cache import Capacities, RadixTree, TieredCache
+from pbkv.engine.base import SHARED
+from pbkv.engine.hf import EngineOptions, HFEngine, ManualClock, Worker, block_hashes, load_model
+from pbkv.engine.hf.shared import identity
+from pbkv.engine.request import Request
+from pbkv.policy import PolicyContext, make_policy
+from pbkv.trace import Call
+
+P = random_prompt(11, 24)                     # the workflow's shared prefix: 6 blocks of 4
+X, Y = random_prompt(12, 6), random_prompt(13, 9)
+
+
+def engine_for(lm, shared_dir=None, rule="load", device=200, **kw):  # noqa: F811
+    pol = make_policy("lru", PolicyContext(block_size=BS))
+    cache = TieredCache(RadixTree(BS), Capacities(device, 0, 0), pol)
+    return HFEngine(lm, cache, pol, clock=ManualClock(), worker=Worker(inline=True),
+                    options=EngineOptions(load_rule=rule, record_logits=True), shared_dir=shared_dir, **kw)
+
+
+def serve(engine, prompt: list[int], n: int, name: str = "wf") -> Request:
+    """One workflow call of `prompt` to completion; the engine's request (hits per tier)."""
+    call = Call(name, 0, "agent", len(prompt), n, block_hashes(prompt, BS))
+    engine.start_workflow(1, name)
+    req = Request(call=call, workflow=1, on_done=lambda r: None)
+    engine.submit(req, prompt)
+    engine.run()
+    engine.end_workflow(1)
+    return req
+
+
+def test_replica_b_loads_a_prefix_from_the_shared_tier(lm, tmp_path):
+    a, b, alone = engine_for(lm, tmp_path), engine_for(lm, tmp_path), engine_for(lm)
+    first = serve(a, P + X, 3)
+    assert first.hits() == {"device": 0, "host": 0, "disk": 0, "shared": 0}
+    assert a.shared.counters.blocks_written == (len(P) + len(X)) // BS   # every full block, once
+    got, want = serve(b, P + Y, 3), serve(alone, P + Y, 3)
+    assert got.hits() == {"device": 0, "host": 0, "disk": 0, "shared": len(P)}
+    assert got.recomputed == len(Y) and want.recomputed == len(P + Y)
+    assert b.stats.computed_tokens == len(Y) and b.stats.loaded_tokens[SHARED] == len(P)
+    assert got.result.tokens == want.result.tokens
+    for g, w in zip(got.result.logits, want.result.logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert_same_as_reference(lm, P + Y, got.result, 3)
+    again = serve(b, P + Y, 2)           # now local: the device tier serves it, not the directory
+    assert again.hits()["device"] == len(P + Y) - 1 and again.hits()["shared"] == 0
+    check(b)
+    for e in (a, b, alone):
+        e.close()
+
+
+def test_the_whole_prompt_from_the_directory_still_computes_its_last_token(lm, tmp_path):
+    a, b = engine_for(lm, tmp_path), engine_for(lm, tmp_path)
+    serve(a, P, 2)
+    got = serve(b, P, 2)
+    assert got.hits()["shared"] == len(P) - 1 and b.stats.computed_tokens == 1
+    assert_same_as_reference(lm, P, got.result, 2)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "other-shape"])
+def test_a_corrupt_shared_file_is_detected_and_recomputed(lm, tmp_path, damage):
+    a, b = engine_for(lm, tmp_path), engine_for(lm, tmp_path)
+    serve(a, P + X, 2)
+    bad = a.shared.dir.path(block_hashes(P, BS)[2])   # the third block of the prefix
+    raw = bad.read_bytes()
+    if damage == "flip":
+        bad.write_bytes(raw[:-8] + bytes(x ^ 0xFF for x in raw[-8:]))
+    elif damage == "truncate":
+        bad.write_bytes(raw[:len(raw) // 2])
+    else:   # a valid file of another geometry, stored under this key by the directory's own writer
+        a.shared.dir.path(block_hashes(P, BS)[2]).unlink()
+        a.shared.dir.put(block_hashes(P, BS)[2], torch.zeros(lm.layers, 2, lm.kv_heads, BS + 1, lm.head_dim))
+    got = serve(b, P + Y, 3)
+    assert got.hits()["shared"] == 2 * BS                  # the run stops before the bad block
+    assert b.shared.dir.stats.corrupt == 1
+    assert_same_as_reference(lm, P + Y, got.result, 3)
+    assert b.shared.dir.get(block_hashes(P, BS)[2]) is not None   # B rewrote the block it recomputed
+    c = engine_for(lm, tmp_path)   # so the next replica gets every full block of A's prompt
+    assert serve(c, P + X, 2).hits()["shared"] == len(P + X) // BS * BS
+
+
+def test_load_rules_decide_whether_the_directory_is_read(lm, tmp_path):
+    serve(engine_for(lm, tmp_path), P + X, 2)
+    assert serve(engine_for(lm, tmp_path, rule="recompute"), P + Y, 2).hits()["shared"] == 0
+    # that engine still wrote what it computed: now all of P + Y's full blocks are there
+    for prefill_tps, shared in ((1e12, 0), (1.0, len(P + Y) // BS * BS)):
+        e = engine_for(lm, tmp_path, rule="auto")
+        e.rates.prefill_tps = prefill_tps
+        e.rates.saw_prefill = lambda *args: None   # keep the forced estimate
+        assert serve(e, P + Y, 2).hits()["shared"] == shared
+
+
+def test_another_model_never_reads_the_directory(lm, tmp_path):
+    other = load_model("tiny", device="cpu", seed=1)   # same name and geometry, other weights
+    assert identity(other) != identity(lm)
+    serve(engine_for(lm, tmp_path), P + X, 2)
+    got = serve(engine_for(other, tmp_path), P + Y, 2)
+    assert got.hits()["shared"] == 0
+
+
+def test_the_directory_stays_within_its_bound(lm, tmp_path):
+    per_block = lm.kv_bytes_per_token * BS
+    e = engine_for(lm, tmp_path, shared_bytes=10 * per_block)
+    for i in range(6):
+        serve(e, random_prompt(100 + i, 24), 1, name=f"wf{i}")
+    e.shared.dir.evict()
+    assert 0 < e.shared.dir.total_bytes() <= 10 * per_block

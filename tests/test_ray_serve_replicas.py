@@ -1,0 +1,247 @@
+"""`pbkv serve --replicas 2` for real: a local Ray, two `tiny` engine replicas behind pbkv's router,
+the ingress on a free loopback port, driven by HTTP clients (openai, httpx); answers compared with
+a single-process `ServerThread` of the same model and seed (greedy: the same text).
+
+Marked `ray`; ONE Ray session and ONE app for the module (Ray + 2 replicas take ~40-60 s on a
+busy 2-core machine). Skipped without Ray (`pip install 'pbkv[scale]'`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+from pbkv.cache import CacheConfig  # noqa: E402
+from pbkv.serve import ServeConfig, ServerThread  # noqa: E402
+from pbkv.serve.metrics import parse  # noqa: E402
+
+pytestmark = pytest.mark.ray
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+KEY = "sk-test-replicas"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def servers():
+    from pbkv.scale.serve_app import ReplicaOptions, ReplicaServer
+    os.environ["PYTHONPATH"] = os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])  # replicas import this pbkv
+    cfg = ServeConfig(model="tiny", port=0, threads=1, cache=CacheConfig(device_tokens=8192), api_key=KEY,
+                      max_tokens_limit=1024, default_max_tokens=8, idle_timeout=60.0)
+    single = ServerThread(cfg).start()
+    temp = tempfile.mkdtemp(prefix="pbkvray")
+    scaled = ReplicaServer(cfg, ReplicaOptions(replicas=2, router="pbkv", stats_period_s=0.5),
+                           log_to_driver=False, _temp_dir=temp).start()
+    yield single, scaled
+    scaled.stop()
+    single.stop()
+
+
+def _metrics(url: str) -> dict[str, float]:
+    return parse(httpx.get(f"{url}/metrics", headers=AUTH, timeout=60).text)
+
+
+def _per_replica(metrics: dict, name: str) -> dict[str, float]:
+    """{replica id: value} of an unlabelled family's per-replica samples."""
+    return {k.split('replica="')[1].split('"')[0]: v for k, v in metrics.items() if k.startswith(name + "{replica=")}
+
+
+def _chat(url: str, messages, **extra):
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, **extra)
+
+
+def test_a_workflows_calls_stay_on_one_replica_and_match_one_process(servers):
+    single, scaled = servers
+    before = _metrics(scaled.url)
+    cached = []
+    for w in range(4):
+        messages = []   # no shared system prompt: a shared first block would rightly draw pbkv's router to one replica
+        for step in range(3):
+            messages.append({"role": "user", "content": f"W{w} step {step}: plan, code, test"})
+            hints = {"extra_body": {"workflow_id": f"wf-{w}", "agent": f"agent-{step}"}}
+            got, want = _chat(scaled.url, messages, **hints), _chat(single.url, messages, **hints)
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert got.usage.prompt_tokens == want.usage.prompt_tokens
+            cached.append(got.usage.prompt_tokens_details.cached_tokens)
+            messages.append({"role": "assistant", "content": got.choices[0].message.content})
+    after = _metrics(scaled.url)
+    started = {r: after[f'pbkv_workflows_started_total{{replica="{r}"}}'] - v
+               for r, v in _per_replica(before, "pbkv_workflows_started_total").items()}
+    assert sum(started.values()) == 4, started        # each workflow started on one replica only
+    assert all(v > 0 for v in started.values()), started   # and the four spread over both
+    assert all(c > 0 for i, c in enumerate(cached) if i % 3), cached   # later steps reuse their prefix
+
+
+def test_streaming_gives_the_same_text_and_usage(servers):
+    single, scaled = servers
+    messages = [{"role": "user", "content": "stream me something"}]
+    want = _chat(single.url, messages).choices[0].message.content
+    stream = _chat(scaled.url, messages, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 8
+    body = {"model": "tiny", "prompt": "plain stream", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{scaled.url}/v1/completions", json=body, headers=AUTH, timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1])
+    one = httpx.post(f"{single.url}/v1/completions", json=body | {"stream": False}, headers=AUTH, timeout=60)
+    assert text == one.json()["choices"][0]["text"]
+
+
+def test_the_api_key_limits_errors_and_workflow_end_behave_as_one_process(servers):
+    _, scaled = servers
+    url = scaled.url
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": "tiny", "policy": "pbkv", "replicas": 2}
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny"
+    bad = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}, headers=AUTH)
+    assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+    big = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5000}, headers=AUTH)
+    assert big.status_code == 400 and big.json()["error"]["param"] == "max_tokens"
+    body = {"model": "tiny", "prompt": "end me", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH | {"X-Workflow-Id": "to-end"}).status_code == 200
+    ended = httpx.post(f"{url}/v1/workflows/to-end/end", headers=AUTH)
+    assert ended.json() == {"id": "to-end", "object": "workflow", "ended": True}
+    again = httpx.post(f"{url}/v1/workflows/to-end/end", headers=AUTH)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "workflow_not_found"
+
+
+def test_metrics_are_summed_and_per_replica(servers):
+    _, scaled = servers
+    m = _metrics(scaled.url)
+    assert m["pbkv_replicas"] == 2
+    for name in ("pbkv_prompt_tokens_total", "pbkv_completion_tokens_total", "pbkv_workflows_started_total",
+                 "pbkv_cache_recomputed_tokens_total", "pbkv_in_flight_requests"):
+        per = _per_replica(m, name)
+        assert len(per) == 2 and m[name] == sum(per.values()), (name, per)
+    assert m['pbkv_requests_total{endpoint="/v1/chat/completions",status="200"}'] >= 12
+    assert m["pbkv_replica_failed_requests_total"] == 0 and m["pbkv_replica_retried_requests_total"] == 0
+
+
+async def _client(http, i: int, expected: dict, got: dict) -> None:
+    for step in range(2):
+        prompt = f"client {i} says {i * 7919 % 1000} at step {step}"
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True,
+                "workflow_id": f"c{i}"}
+        r = await http.post("/v1/completions", json=body)
+        got[(i, step)] = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+        expected.setdefault((i, step), prompt)
+
+
+def test_64_concurrent_clients_lose_and_mix_up_nothing(servers):
+    single, scaled = servers
+    got, prompts = {}, {}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=scaled.url, headers=AUTH, timeout=180,
+                                     limits=httpx.Limits(max_connections=64)) as http:
+            await asyncio.gather(*(_client(http, i, prompts, got) for i in range(64)))
+    asyncio.run(main())
+    assert len(got) == 128
+    with httpx.Client(base_url=single.url, headers=AUTH, timeout=60) as one:
+        for key, prompt in prompts.items():
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": True}
+            assert got[key] == one.post("/v1/completions", json=body).json()["choices"][0]["text"], key
+
+
+async def _plain(http, i: int, out: dict) -> None:
+    body = {"model": "tiny", "prompt": f"long plain {i}", "max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    r = await http.post("/v1/completions", json=body)
+    out[("plain", i)] = (r.status_code, r.json())
+
+
+async def _streamed(http, i: int, out: dict, first_text: asyncio.Event) -> None:
+    body = {"model": "tiny", "prompt": f"long stream {i}", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, error = [], None
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+            else:
+                text.append(event["choices"][0]["text"])
+                first_text.set()
+    out[("stream", i)] = ("".join(text), error)
+
+
+LONG = 400   # tokens per call: long enough that every call is still running when the replica is killed
+
+
+def _kill(url: str, replica: str) -> None:
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].endswith(f"#{replica}") and "PBKVEngine" in a["name"]]
+    assert len(actors) == 1, actors
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+
+
+def test_a_replica_killed_mid_run_loses_only_its_streams_already_sending(servers):
+    single, scaled = servers
+    before = _metrics(scaled.url)
+    out, started = {}, [asyncio.Event() for _ in range(4)]
+    seen = {}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=scaled.url, headers=AUTH, timeout=300) as http:
+            calls = [asyncio.ensure_future(_plain(http, i, out)) for i in range(4)]
+            calls += [asyncio.ensure_future(_streamed(http, i, out, started[i])) for i in range(4)]
+            await asyncio.gather(*(e.wait() for e in started))
+            while True:   # every call has reached a replica (the ingress's and the replicas' counts agree)
+                m = parse((await http.get("/metrics")).text)
+                if m["pbkv_in_flight_requests"] == 8:
+                    break
+            per = _per_replica(m, "pbkv_in_flight_requests")
+            seen["victim"] = victim = max(sorted(per), key=per.get)
+            seen["in_flight"] = per[victim]
+            _kill(scaled.url, victim)
+            await asyncio.gather(*calls)
+            seen["after"] = (await http.post("/v1/completions", json={"model": "tiny", "prompt": "still there?",
+                                                                      "max_tokens": 3})).status_code
+    asyncio.run(main())
+    after = _metrics(scaled.url)
+    failed = after["pbkv_replica_failed_requests_total"] - before["pbkv_replica_failed_requests_total"]
+    retried = after["pbkv_replica_retried_requests_total"] - before["pbkv_replica_retried_requests_total"]
+    assert seen["in_flight"] >= 1 and seen["after"] == 200, seen
+    assert failed + retried == seen["in_flight"], (failed, retried, seen)
+    broken = [k for k, (text, error) in out.items() if k[0] == "stream" and error is not None]
+    assert len(broken) == failed, out             # only streams already sending text are lost...
+    assert all(out[k][1]["code"] == "replica_failed" for k in broken)
+    want = asyncio.run(_one_process(single.url, [f"long {kind} {i}" for kind, i in out]))
+    for ((kind, i), value), text in zip(out.items(), want):   # ...every other call got its whole, right answer
+        if kind == "plain":
+            assert value[0] == 200 and value[1]["choices"][0]["text"] == text, i
+        elif value[1] is None:
+            assert value[0] == text, i
+    print(f"killed {seen['victim']} with {seen['in_flight']} calls in flight: {retried} retried, {failed} failed")
+    _wait_for_restart(scaled.url)
+
+
+async def _one_process(url: str, prompts: list[str]) -> list[str]:
+    """The single-process server's greedy answers (concurrent: the engine batches them)."""
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300) as http:
+        answers = await asyncio.gather(*(http.post("/v1/completions", json={
+            "model": "tiny", "prompt": p, "max_tokens": LONG, "temperature": 0, "ignore_eos": True}) for p in prompts))
+    return [a.json()["choices"][0]["text"] for a in answers]
+
+
+def _wait_for_restart(url: str, timeout: float = 240.0) -> None:
+    """Ray's controller replaces the dead replica: /health counts 2 answering replicas again."""
+    import time
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, headers=AUTH, timeout=60) as http:
+        while time.monotonic() < deadline:
+            if _metrics(url)["pbkv_replicas"] == 2:
+                return
+            http.get("/health")   # (a request between scrapes, no sleep: each scrape takes a while)
+    pytest.fail("the killed replica was not replaced")

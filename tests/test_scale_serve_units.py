@@ -1,0 +1,153 @@
+"""Pure pieces of `pbkv serve --replicas N` (no Ray): /metrics merging, the retry decision,
+what a replica reports to the router, and `--replicas 1` staying a single process without Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pbkv.scale.failover import Action, decide, route_hints
+from pbkv.scale.metrics_merge import merge
+from pbkv.serve.metrics import Metrics, parse
+
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+def _replica_text(prompt: int, hits: int, queue: float, accuracy: float) -> str:
+    m = Metrics()
+    m.served(prompt, 5, {"device": hits, "host": 0, "disk": 0}, prompt - hits, False)
+    m.requests.labels(endpoint="/x", status="200").inc(7)   # a replica's HTTP count: never shown
+    extra = (f"# HELP pbkv_queue_depth q\n# TYPE pbkv_queue_depth gauge\npbkv_queue_depth {queue}\n"
+             f"# HELP pbkv_cache_hit_rate r\n# TYPE pbkv_cache_hit_rate gauge\n"
+             f"pbkv_cache_hit_rate{{tier=\"device\"}} {hits / prompt}\n"
+             f"# HELP pbkv_predictor_accuracy a\n# TYPE pbkv_predictor_accuracy gauge\n"
+             f"pbkv_predictor_accuracy {accuracy}\n")
+    return m.exposition().decode() + extra
+
+
+def test_merged_metrics_sum_counters_and_gauges_and_label_each_replica():
+    ingress = Metrics()
+    ingress.requests.labels(endpoint="/v1/completions", status="200").inc(3)
+    ingress.prompt_tokens.inc(999)                 # the ingress's own engine families are dropped
+    text = merge(ingress.exposition().decode(), {"b": _replica_text(100, 40, 2, 0.5),
+                                                 "a": _replica_text(300, 60, 1, 0.7)}).decode()
+    got = parse(text)
+    assert got["pbkv_prompt_tokens_total"] == 400
+    assert got['pbkv_prompt_tokens_total{replica="a"}'] == 300
+    assert got['pbkv_prompt_tokens_total{replica="b"}'] == 100
+    assert got['pbkv_cache_hit_tokens_total{tier="device"}'] == 100
+    assert got['pbkv_cache_hit_tokens_total{replica="b",tier="device"}'] == 40
+    assert got["pbkv_queue_depth"] == 3
+    assert got['pbkv_requests_total{endpoint="/v1/completions",status="200"}'] == 3   # the ingress's only
+    assert not any(k.startswith("pbkv_requests_total") and "replica" in k for k in got)
+    assert got['pbkv_cache_hit_rate{tier="device"}'] == 100 / 400          # from the sums, not 0.4 + 0.2
+    assert got['pbkv_cache_hit_rate{replica="a",tier="device"}'] == 0.2
+    assert abs(got["pbkv_predictor_accuracy"] - 0.6) < 1e-12              # a mean, not a sum
+    assert got["pbkv_request_latency_seconds_count"] == 0
+    assert sum(k.startswith("pbkv_prompt_tokens_total") for k in got) == 3
+    # the text parses back, one family per name, each replica's samples after the totals in id order
+    names = [f.name for f in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names))
+    lines = [ln for ln in text.splitlines() if ln.startswith("pbkv_prompt_tokens_total")]
+    assert lines == ["pbkv_prompt_tokens_total 400.0", 'pbkv_prompt_tokens_total{replica="a"} 300.0',
+                     'pbkv_prompt_tokens_total{replica="b"} 100.0']
+
+
+def test_merged_histograms_add_bucket_by_bucket():
+    a, b = Metrics(), Metrics()
+    a.latency.observe(0.003)
+    b.latency.observe(0.2)
+    b.latency.observe(0.3)
+    a_text = a.exposition().decode().replace("pbkv_request_latency", "pbkv_engine_latency")
+    b_text = b.exposition().decode().replace("pbkv_request_latency", "pbkv_engine_latency")
+    got = parse(merge("", {"a": a_text, "b": b_text}).decode())
+    assert got['pbkv_engine_latency_seconds_bucket{le="0.005"}'] == 1
+    assert got['pbkv_engine_latency_seconds_bucket{le="0.5"}'] == 3
+    assert got['pbkv_engine_latency_seconds_bucket{le="0.5",replica="b"}'] == 2
+    assert got["pbkv_engine_latency_seconds_count"] == 3
+
+
+def test_no_replica_answering_leaves_the_ingress_families():
+    ingress = Metrics()
+    ingress.requests.labels(endpoint="/metrics", status="200").inc()
+    text = merge(ingress.exposition().decode(), {}).decode()
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert names == {"pbkv_requests", "pbkv_request_latency_seconds", "pbkv_time_to_first_token_seconds"}
+    assert parse(text)['pbkv_requests_total{endpoint="/metrics",status="200"}'] == 1
+
+
+def test_retry_once_only_when_the_replica_was_lost_before_text_reached_the_client():
+    assert decide(replica_lost=True, text_sent=False, retries=0) is Action.RETRY
+    assert decide(replica_lost=True, text_sent=False, retries=1) is Action.FAIL     # once only
+    assert decide(replica_lost=True, text_sent=True, retries=0) is Action.FAIL      # already streaming
+    assert decide(replica_lost=False, text_sent=False, retries=0) is Action.ERROR   # the engine's own error
+    assert decide(replica_lost=True, text_sent=False, retries=1, max_retries=2) is Action.RETRY
+    assert decide(replica_lost=True, text_sent=False, retries=0, max_retries=0) is Action.FAIL
+
+
+def test_route_hints_are_what_the_ray_router_reads():
+    from pbkv.scale.adapter import route_request
+    hints = route_hints("w1", None, [5, 6], 20, 8, avoid=["r1"])
+    req = route_request([hints, "other"])
+    assert (req.workflow_id, req.agent, req.hash_ids, req.input_tokens, req.output_tokens) == ("w1", "", (5, 6), 20, 8)
+    assert hints["avoid"] == ["r1"] and "avoid" not in route_hints("w1", "a", [5], 3, 1)
+
+
+def test_a_replica_reports_the_blocks_it_holds_per_tier_and_its_workflows():
+    from pbkv.cache import RadixTree, Tier
+    from pbkv.engine.hf import block_hashes
+    from pbkv.scale.replica import cache_stats
+    from pbkv.serve.workflows import Hints, WorkflowTable
+
+    tree = RadixTree(4)
+    table = WorkflowTable()
+    run, _, _ = table.begin(Hints("wf", "a"), 0.0)
+    ids = block_hashes(list(range(10)), 4)                  # 2 full blocks and a partial one
+    node, _ = tree.insert(ids[:2], 4, Tier.DEVICE, 0.0)
+    tree.touch(node, 0.0, run.workflow, "a")
+    tree.insert(ids, 2, Tier.HOST, 0.0)
+    engine = type("E", (), {"tree": tree})()
+    stats = cache_stats(engine, table, 3, "r0")
+    assert stats["tiers"] == {"device": ids[:2], "host": ids[2:], "disk": []}
+    assert sorted(stats["blocks"]) == sorted(ids) and stats["workflows"] == {"wf": 8}
+    assert (stats["id"], stats["load"], stats["block_size"]) == ("r0", 3.0, 4)
+
+
+def test_one_replica_serves_in_process_without_importing_ray():
+    code = textwrap.dedent("""
+        import sys
+        import pbkv.serve
+        from typer.testing import CliRunner
+        from pbkv.cli import app
+        seen = {}
+        pbkv.serve.run = lambda cfg, log_level: seen.setdefault("cfg", cfg)
+        r = CliRunner().invoke(app, ["serve", "--port", "0", "--replicas", "1"])
+        assert r.exit_code == 0, r.output
+        assert seen["cfg"].model == "tiny"
+        assert "ray" not in sys.modules, "ray was imported"
+        r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--router", "nope"])
+        assert r.exit_code == 2 and "unknown router 'nope'" in r.output, r.output
+        r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", "ray://h:10001"])
+        assert r.exit_code == 2 and "cannot stream" in r.output, r.output
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_a_retry_avoids_the_lost_replica_while_another_remains():
+    import pytest
+    pytest.importorskip("ray")
+    from types import SimpleNamespace as NS
+
+    from pbkv.scale.ray_router import _without_avoided
+    a, b = NS(replica_id=NS(unique_id="a")), NS(replica_id=NS(unique_id="b"))
+    pending = NS(args=(route_hints("w", None, [1], 1, 1, avoid=["a"]),), kwargs={})
+    assert _without_avoided([a, b], pending) == [b]
+    assert _without_avoided([a], pending) == [a]                 # never none at all
+    assert _without_avoided([a, b], NS(args=(route_hints("w", None, [1], 1, 1),), kwargs=None)) == [a, b]
