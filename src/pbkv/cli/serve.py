@@ -93,11 +93,14 @@ def serve(
         with exit_on_error():
             run(cfg, log_level=log_level)
         return
-    try:
-        from pbkv.scale.serve_app import ReplicaOptions, run as run_replicas
-    except ImportError as e:
-        fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
+    from pbkv.scale.options import ReplicaOptions, check_options
     opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
                           replica_gpus=replica_gpus)
+    with exit_on_error():
+        check_options(opts)          # before the Ray import: a bad option is refused with or without Ray
+    try:
+        from pbkv.scale.serve_app import run as run_replicas
+    except ImportError as e:
+        fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
     with exit_on_error():
         run_replicas(cfg, opts, log_level=log_level)

@@ -25,7 +25,6 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass
 
 import ray
 from prometheus_client import Counter
@@ -35,6 +34,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pbkv.scale import metrics_merge
 from pbkv.scale.probe import CPU_COSTS, ROUTER_CLASS
+from pbkv.scale.options import ReplicaOptions, check_options  # noqa: F401  (re-exported)
 from pbkv.scale.remote import RemoteWorker
 from pbkv.scale.replica import EngineReplica
 from pbkv.serve.app import ServerState
@@ -45,34 +45,9 @@ log = logging.getLogger("pbkv.scale")
 DEPLOYMENT = "PBKVEngine"
 
 
-@dataclass
-class ReplicaOptions:
-    """How the engine deployment is laid out (the rest is `ServeConfig`, shared by every replica)."""
-
-    replicas: int = 2
-    router: str = "pbkv"
-    router_config: dict | None = None   # RouterConfig fields; None: CPU costs without CUDA, else defaults
-    ray_address: str | None = None      # None: a local Ray started (and stopped) here
-    app_name: str = "pbkv"
-    stats_period_s: float = 1.0         # how often each replica reports its cache to the router
-    replica_cpus: float = 1.0           # Ray CPUs reserved per replica
-    replica_gpus: float = 0.0
-
-
 def default_router_config() -> dict:
     import torch
     return {} if torch.cuda.is_available() else dict(CPU_COSTS)
-
-
-def check_options(opts: ReplicaOptions) -> None:
-    """Refuse a bad layout before Ray starts (ValueError, with the known router names)."""
-    from pbkv.route import router_class
-    router_class(opts.router)
-    if opts.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {opts.replicas}")
-    if (opts.ray_address or "").startswith("ray://"):
-        raise ValueError(f"--ray-address {opts.ray_address}: Ray Client (ray://) cannot stream from deployments, "
-                         f"which every call does; run pbkv serve on a node of the cluster with --ray-address auto")
 
 
 def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
