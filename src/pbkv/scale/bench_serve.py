@@ -1,6 +1,7 @@
 """Figures for `pbkv serve --replicas 2` on CPU, per router (a benchmark, not a test):
 
     python -m pbkv.scale.bench_serve --trace ../shared/traces/chatdev-dev.jsonl --hover-workflows 20
+    python -m pbkv.scale.bench_serve --hover-workflows 24 --routers round-robin,pbkv --shared-dir /tmp/kv
 
 For each workload (a `pbkv gen hover` replay, and the given trace file) and each router, a fresh
 engine deployment (2 `tiny` replicas, fresh caches) behind a fresh ingress replays the workload
