@@ -93,10 +93,10 @@ def test_generated_workload_predictors_are_cached_by_workload_seed_and_code(tmp_
 
     def fake_train(data, variant, psrc, folder, progress):
         trained.append(folder)
-        (tmp_path / "predictors").mkdir(exist_ok=True)
         from pathlib import Path
-        Path(folder).mkdir(parents=True)
-        (Path(folder) / "model.safetensors").write_text("x")
+
+        from pbkv.predict.store import publish
+        publish(folder, lambda d: (Path(d) / "config.json").write_text("{}"))  # a real save's layout
         return folder
     monkeypatch.setattr(predictors, "_train_and_save", fake_train)
     src = Source("hover", spec="hover", workflows=10, seed=3)

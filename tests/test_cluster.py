@@ -57,15 +57,18 @@ def test_fetching_over_a_link_costs_time_and_counts_bytes():
 
 def test_bench_cli_compares_routers_side_by_side(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--workload", "hover", "--workflows", "12", "--concurrency", "4",
-                                 "--policies", "lru", "--instances", "2", "--router", "round-robin,pbkv", "--device-tokens", "40000",
-                                 "--out", str(tmp_path), "--jobs", "1"])
+                                 "--policies", "lru,arc", "--instances", "2,3", "--router", "round-robin,pbkv",
+                                 "--device-tokens", "40000", "--out", str(tmp_path), "--jobs", "1"])
     assert r.exit_code == 0, r.output
-    assert "on 2 instances (pcie4 links)" in r.output
+    assert "on 2 instances (pcie4 links)" in r.output and "on 3 instances (pcie4 links)" in r.output
+    assert "x rr" in r.output and "wf/min" in r.output
     records = json.loads((tmp_path / "bench.json").read_text())
-    assert [(x["router"], x["policy"]) for x in records] == [("round-robin", "lru"), ("round-robin", "oracle"),
-                                                             ("pbkv", "lru"), ("pbkv", "oracle")]
-    assert all(x["instances"] == 2 and "bytes_moved_between_instances" in x for x in records)
-    assert "speedup_vs_lru" in records[1] and "speedup_vs_lru" in records[3]
+    # one table per instance count; no oracle behind a router (each instance's oracle would see all calls)
+    assert [(x["instances"], x["router"], x["policy"]) for x in records] == [
+        (2, "round-robin", "lru"), (2, "round-robin", "arc"), (2, "pbkv", "lru"), (2, "pbkv", "arc"),
+        (3, "round-robin", "lru"), (3, "round-robin", "arc"), (3, "pbkv", "lru"), (3, "pbkv", "arc")]
+    assert all("bytes_moved_between_instances" in x for x in records)
+    assert all(("speedup_vs_lru" in x) == (x["policy"] == "arc") for x in records)
 
 
 def test_bench_cli_router_errors(tmp_path):
@@ -75,6 +78,21 @@ def test_bench_cli_router_errors(tmp_path):
     assert r.exit_code == 2 and "unknown link 'carrier-pigeon'" in r.output
     r = CliRunner().invoke(app, ["bench", "--instances", "2", "--engine", "hf", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--engine sim" in r.output
+    r = CliRunner().invoke(app, ["bench", "--instances", "2,0", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--instances: expected positive integers, comma-separated, got '2,0'" in r.output
+
+
+def test_router_costs_come_from_the_profile():
+    """Queueing: one decode step of the clients per instance at the mean prompt (no tuned share)."""
+    from pbkv.bench.cluster_run import router_config
+    from pbkv.engine.cost import CostModel
+    wl, cost = load_workload(WL), CostModel(load_profile("a6000-qwen3-32b"))
+    calls = [c for w in wl.workflows for c in w]
+    mean = sum(c.input_length for c in calls) // len(calls)
+    rc = router_config(cost, wl, get_link("pcie4"), 4, batch=6)
+    assert rc.queue_s_per_request == cost.decode_step_seconds(6, 6 * mean)
+    assert rc.prefill_s_per_token == cost.prefill_seconds(cost.prefill_flops(mean, 0)) / mean
+    assert rc.transfer_s_per_token == pytest.approx(cost.kv_bytes / (25e9 * 4), rel=1e-5)
 
 
 def test_a_shared_tier_lets_any_instance_reuse_what_another_computed():

@@ -39,16 +39,17 @@ def test_expected_next_use_by_hand():
     nu, probs, survival = estimator()
     nu.update(1, "b", 10.0, probs, survival, pending=False)
     # call 1 issues at 10 + E[wait] = 10.5 (a or b, .5 each), ends at 10.5 + E[dur] = 13.5;
-    # call 2 (alive .5, agent a) issues at 14.5, ends 16.5; not within the horizon: 16.5 + 3.5 / .5
-    far = 23.5
+    # call 2 (alive .5, agent a) issues at 14.5. Effective time: now + (E[t | read] - now) / p
     assert nu.prob[1] == pytest.approx([0.75, 0.5, 0.0])
-    assert nu.when[1] == pytest.approx([0.5 * 10.5 + 0.25 * 14.5 + 0.25 * far,
-                                        0.5 * 10.5 + 0.5 * far, far])
+    cond_a = (0.5 * 10.5 + 0.25 * 14.5) / 0.75
+    # c is never read within the horizon: one mean step past it (16.5 + 3.5), stretched by 1 / .5
+    assert nu.when[1] == pytest.approx([10 + (cond_a - 10) / 0.75, 10 + 0.5 / 0.5, 23.5])
     # a call of b that arrived and has not ended reads b's cache now; the horizon starts when
     # it is expected to end (10 + 4 s)
     nu.update(1, "b", 10.0, probs, survival, pending=True)
     assert nu.when[1][1] == 10.0 and nu.prob[1][1] == 1.0
-    assert nu.when[1][0] == pytest.approx(0.5 * 14.5 + 0.25 * 18.5 + 0.25 * 27.5)
+    cond_a = (0.5 * 14.5 + 0.25 * 18.5) / 0.75
+    assert nu.when[1][0] == pytest.approx(10 + (cond_a - 10) / 0.75)
     assert nu.first == nu.when[1] and nu.pmax == nu.prob[1]   # one workflow: its values
     assert nu.remove(1) and nu.first == [float("inf")] * 3
 
@@ -147,3 +148,13 @@ def test_a_common_node_is_discounted_by_its_share_of_workflows():
     # ... unless an active workflow used it itself: its own prediction counts in full
     mine = SimpleNamespace(seen_workflows=4, agent_mask=0b01, wf_agents={1: 0b01})
     assert nu.of(mine) == pytest.approx((nu.when[1][0], nu.prob[1][0]))
+
+
+def test_effective_time_ranks_by_reads_per_second():
+    from pbkv.policy.next_use import effective_time
+    sure_in_3 = effective_time(0.0, 1.0 * 3.0, 1.0)       # read surely 3 s from now
+    maybe_in_1 = effective_time(0.0, 0.1 * 1.0, 0.1)      # read with p .1, 1 s from now
+    assert sure_in_3 == 3.0 and maybe_in_1 == pytest.approx(10.0)
+    assert effective_time(5.0, 0.0, 0.0, far=9.0) == 9.0   # never within the horizon
+    assert effective_time(5.0, 7.0, 1.0) == 7.0   # p = 1: the plain expected time
+

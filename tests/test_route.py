@@ -110,6 +110,23 @@ def test_pbkv_weighs_stranded_workflow_kv_by_predicted_reuse():
     assert r.choose(req(), views).replica == "b"                        # unknown reuse counts as 1
 
 
+def test_pbkv_places_a_new_workflow_where_fewest_workflows_live():
+    # a caches the agent's prompt (64 of 80 tokens) but holds two workflows; b holds none
+    a = view("a", 0, blocks=(1, 2, 3, 4), workflows={"x": 500, "y": 500})
+    d = make_router("pbkv", CFG).choose(req("new"), [a, view("b", 0)])
+    assert (d.replica, d.fetch_from, d.fetch_tokens) == ("b", "a", 64)   # and it fetches the prompt from a
+    # equal counts: the call's own cost decides (a reuses 64 tokens)
+    d = make_router("pbkv", CFG).choose(req("new"), [a, view("b", 0, workflows={"z": 10, "v": 10})])
+    assert (d.replica, d.fetch_from) == ("a", None)
+    # the count comes before the queue: b has fewer workflows but a long queue, it still gets the workflow
+    assert make_router("pbkv", CFG).choose(req("new"), [a, view("b", 9)]).replica == "b"
+
+
+def test_pbkv_keeps_a_known_workflow_home_whatever_the_counts():
+    home = view("a", 0, blocks=(1, 2, 3, 4), workflows={"w": 64, "x": 500, "y": 500})
+    assert make_router("pbkv", CFG).choose(req(), [home, view("b", 0)]).replica == "a"
+
+
 def test_pbkv_warms_the_missing_part_of_the_next_prompt():
     views = [view("a", 0, blocks=(1, 2, 3, 4, 7))]
     d = make_router("pbkv", CFG).choose(req(next_prefix=(7, 8, 9)), views)

@@ -43,8 +43,10 @@ def check(args: BenchArgs) -> list[str]:
     pols = list(args.policies)
     if "lru" not in pols:
         pols.insert(0, "lru")      # every speedup is measured against LRU in the same run
-    if "oracle" not in pols:
-        pols.append("oracle")      # and every report shows the perfect-knowledge reference
+    if "oracle" not in pols and args.router_runs() == [(1, None)]:
+        # every one-instance report shows the perfect-knowledge reference (not behind a router:
+        # each instance's oracle would see the whole trace's future, not the calls routed to it)
+        pols.append("oracle")
     return pols
 
 
@@ -52,9 +54,9 @@ def check_routers(args: BenchArgs) -> None:
     """Several instances: simulator only, a known router and link, at least one instance."""
     from pbkv.route import router_class
     from pbkv.scale.links import get_link
-    if args.instances < 1:
+    if min(args.instance_counts()) < 1:
         raise ValueError(f"--instances must be >= 1, got {args.instances}")
-    if args.router_runs() != [None] and args.engine != "sim":
+    if args.router_runs() != [(1, None)] and args.engine != "sim":
         raise ValueError(f"--instances/--router run the simulator only (--engine sim), not {args.engine!r}")
     for r in args.routers:
         router_class(r)
@@ -62,7 +64,7 @@ def check_routers(args: BenchArgs) -> None:
     get_link(args.shared_link)
     if args.shared_tokens < 0:
         raise ValueError(f"--shared-tokens must be >= 0, got {args.shared_tokens}")
-    if args.shared_tokens and args.router_runs() == [None]:
+    if args.shared_tokens and args.router_runs() == [(1, None)]:
         raise ValueError("--shared-tokens needs --instances or --router (a shared tier of one instance is its disk)")
 
 

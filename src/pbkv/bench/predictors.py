@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pbkv.policy.registry import needed_predictor
+from pbkv.predict.store import has_predictor
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
                 folder, data = out / f"train-{variant}", tuple(psrc.train)
             elif source.spec:
                 folder, data = cache_folder(source, variant, psrc), source
-                if (folder / "model.safetensors").exists():  # trained before, same code and data
+                if has_predictor(folder):  # trained before, same code and data
                     paths[(source.name, variant)] = str(folder)
                     continue
             else:

@@ -37,8 +37,8 @@ def tables(records: list[dict]) -> list[Table]:
         if first.get("engine") in ("hf", "vllm"):
             out.append((hf_table if first["engine"] == "hf" else vllm_table)(workload, rows))
             continue
-        for regime in dict.fromkeys(regime_of(r) for r in rows):
-            cell = [r for r in rows if regime_of(r) == regime]
+        for regime in dict.fromkeys((regime_of(r), r.get("instances")) for r in rows):
+            cell = [r for r in rows if (regime_of(r), r.get("instances")) == regime]
             out.append((router_table if "router" in cell[0] else sim_table)(workload, cell))
     return out
 
@@ -65,18 +65,27 @@ def router_table(workload: str, rows: list[dict]) -> Table:
     t = Table(title=f"{workload}: {first['workflows']} workflows on {first['instances']} instances ({first['link']} "
                     f"links); KV tokens per instance device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
                     f"disk {first['disk_tokens']:,}",
-              caption="lat/p99: workflow latency s; hit: % of prompt tokens; recomp: M tokens recomputed; "
-                      "GB moved: KV sent between instances; moves: calls placed off their workflow's last instance")
-    for col in ("conc", "router", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB moved",
-                "moves"):
+              caption="lat/p99: workflow latency s; wf/min: workflows finished per minute (throughput); hit: % "
+                      "of prompt tokens; recomp: M tokens recomputed; GB moved: KV sent between instances; moves: "
+                      "calls placed off their workflow's last instance; x rr / x prefix: round-robin's / prefix's "
+                      "latency over this router's (same policy and clients)")
+    for col in ("conc", "router", "policy", "lat", "p99", "wf/min", "dev", "host", "disk", "recomp", "GB moved",
+                "moves", "x rr", "x prefix"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         t.add_row(str(r["concurrency"] or "open"), r["router"], r["policy"], _fmt(r["mean_workflow_latency_s"]),
-                  _fmt(r["p99_workflow_latency_s"]), _fmt(r["mean_ttft_s"]), _fmt(r["device_hit_rate"], True),
-                  _fmt(r["host_hit_rate"], True), _fmt(r["disk_hit_rate"], True),
+                  _fmt(r["p99_workflow_latency_s"]), f"{60 * r['workflows'] / max(r['makespan_s'], 1e-9):.1f}",
+                  _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True), _fmt(r["disk_hit_rate"], True),
                   f"{r['recomputed_tokens'] / 1e6:.2f}", f"{r['bytes_moved_between_instances'] / 1e9:.1f}",
-                  str(r["workflow_moves"]))
+                  str(r["workflow_moves"]), _gain(rows, r, "round-robin"), _gain(rows, r, "prefix"))
     return t
+
+
+def _gain(rows: list[dict], r: dict, router: str) -> str:
+    """`router`'s mean workflow latency over `r`'s, same policy and concurrency ("-" if not run)."""
+    ref = [x for x in rows if x["router"] == router and x["policy"] == r["policy"]
+           and x["concurrency"] == r["concurrency"]]
+    return f"{ref[0]['mean_workflow_latency_s'] / max(r['mean_workflow_latency_s'], 1e-9):.3f}" if ref else "-"
 
 
 def hf_table(workload: str, rows: list[dict]) -> Table:

@@ -74,17 +74,22 @@ class SweepConfig:
     engine: str = "sim"                              # sim | hf | vllm
     hf: HFConfig | None = None                       # the real engine's settings (engine "hf"; default HFConfig())
     vllm: VLLMConfig | None = None                   # vLLM's settings (engine "vllm"; default VLLMConfig())
-    instances: int = 1                               # simulated instances behind a router (sim only)
+    instances: int | list[int] = 1                   # simulated instances behind a router (sim only); a list: each
     routers: list[str] = field(default_factory=list)  # pbkv.route names; empty: one instance, no router
     link: str = "pcie4"                              # instance-to-instance KV link (pbkv.scale.links)
     shared_tokens: int = 0                           # a shared KV tier of this many tokens (0: none)
     shared_link: str = "nvme"                        # how instances read the shared tier
 
-    def router_runs(self) -> list[str | None]:
-        """The router of each run: None (one plain instance) unless instances or routers are set."""
-        if self.instances > 1 or self.routers:
-            return list(self.routers) or ["pbkv"]
-        return [None]
+    def instance_counts(self) -> list[int]:
+        return [self.instances] if isinstance(self.instances, int) else list(self.instances)
+
+    def router_runs(self) -> list[tuple[int, str | None]]:
+        """(instances, router) of each run: (1, None) (one plain instance) unless instances > 1 or
+        routers are set; else every instance count with every router."""
+        counts = self.instance_counts()
+        if max(counts) > 1 or self.routers:
+            return [(n, r) for n in counts for r in (list(self.routers) or ["pbkv"])]
+        return [(1, None)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -99,7 +104,7 @@ def load_workload(source: Source) -> Workload:
 
 
 def _run_one(args: tuple) -> dict:
-    source, policy, concurrency, cfg, regime, router = args
+    source, policy, concurrency, cfg, regime, (instances, router) = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         from pbkv.policy.registry import needed_predictor
@@ -121,7 +126,7 @@ def _run_one(args: tuple) -> dict:
     elif router is not None:
         from pbkv.bench.cluster_run import simulate_cluster
         from pbkv.scale.links import get_link
-        record = simulate_cluster(load_workload(source), run, cfg.instances, router, get_link(cfg.link),
+        record = simulate_cluster(load_workload(source), run, instances, router, get_link(cfg.link),
                                   shared_tokens=cfg.shared_tokens, shared_link=get_link(cfg.shared_link))
     else:
         record = simulate(load_workload(source), run)

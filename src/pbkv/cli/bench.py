@@ -26,9 +26,9 @@ TiersOpt = Annotated[str, typer.Option(
          "device+host+disk; 'auto': the default run's pairs with --pressure auto, else the profile's tiers.")]
 VLLMPythonOpt = Annotated[Optional[Path], typer.Option(
     help="--engine vllm: python of the venv with vLLM (default: .venv-vllm/bin/python; see docs/vllm.md).")]
-InstancesOpt = Annotated[int, typer.Option(
-    min=1, help="Simulated engine instances, each with its own cache and policy, behind --router (--engine sim; "
-                "docs/scale-out.md). 1 with no --router: one plain instance.")]
+InstancesOpt = Annotated[str, typer.Option(
+    help="Simulated engine instances, each with its own cache and policy, behind --router (--engine sim; "
+         "docs/scale-out.md); comma-separated counts run each (2,4,8). 1 with no --router: one plain instance.")]
 LinkOpt = Annotated[str, typer.Option(
     help="Instance-to-instance KV link: nvlink-h100, nvlink-a6000, pcie4, rdma, tcp (pbkv.scale.links).")]
 SharedTokensOpt = Annotated[int, typer.Option(
@@ -60,7 +60,7 @@ def bench(
     load_rule: LoadRuleOpt = "auto",
     threads: ThreadsOpt = 1,
     vllm_python: VLLMPythonOpt = None,
-    instances: InstancesOpt = 1,
+    instances: InstancesOpt = "1",
     router: RouterOpt = None,
     link: LinkOpt = "pcie4",
     shared_tokens: SharedTokensOpt = 0,
@@ -89,10 +89,18 @@ def bench(
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
-        instances=instances, routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
+        instances=instance_list(instances), routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
         shared_link=shared_link,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
                                   horizon=horizon or 3), **regime_args(pressure, tiers)), debug)
+
+
+def instance_list(value: str) -> list[int]:
+    """'2,4,8' -> [2, 4, 8] (exit 2 on anything but positive integers)."""
+    out = [int(v) for v in split(value) if v.isdigit() and int(v) > 0]
+    if not out or len(out) != len(split(value)):
+        fail(f"--instances: expected positive integers, comma-separated, got {value!r}")
+    return out
 
 
 def regime_args(pressure: str, tiers: str) -> dict:

@@ -10,6 +10,7 @@ of that replica, so blocks the replica evicted do not linger; the overlay is als
 Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
 optionally `output_tokens`, `reuse_probability`, `next_prefix`); `route_request` finds that dict
 among a call's arguments and returns None for anything else (routed as plain load balancing).
+`hinted_call` also reads Ray Serve LLM's OpenAI request objects (`pbkv.scale.llm_hints`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from pbkv.route import ReplicaSnapshot, RouteRequest
+from pbkv.scale.llm_hints import LLMCall, TextChunks, find_llm_call
 
 
 def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest | None:
@@ -33,6 +35,16 @@ def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest
                                 reuse_probability=value.get("reuse_probability"),
                                 next_prefix=tuple(int(h) for h in value.get("next_prefix", ())))
     return None
+
+
+def hinted_call(args: Iterable, kwargs: Mapping | None = None, chunks: TextChunks = TextChunks()) -> LLMCall | None:
+    """A call's hints: a pbkv hints dict (`route_request`; it never ends its workflow), else a Ray
+    Serve LLM chat/completion request with a workflow id (`find_llm_call`), else None."""
+    args = list(args)
+    request = route_request(args, kwargs)
+    if request is not None:
+        return LLMCall(request, done=False)
+    return find_llm_call(args, kwargs, chunks)
 
 
 class MergedView:

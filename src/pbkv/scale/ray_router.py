@@ -34,14 +34,17 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import Overlay, register_router, route_request
+from pbkv.scale.adapter import Overlay, hinted_call, register_router
+from pbkv.scale.llm_hints import TextChunks
 
 
 class PBKVRequestRouter(RequestRouter):
-    def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False, **_):
+    def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False,
+                         chunk_chars: int = 64, chars_per_token: int = 4, **_):
         self.decision_s: deque[float] = deque(maxlen=10_000)   # seconds per hinted decision (the latest)
         register_router(self)
         self.fallback = fallback
+        self.chunks = TextChunks(chunk_chars, chars_per_token)
         self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
         self.overlay = Overlay()
         self.decisions: dict[str, int] = {}
@@ -58,23 +61,38 @@ class PBKVRequestRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not hasattr(self, "pbkv_router"):   # Ray did not call initialize_state (no kwargs given)
             self.initialize_state()
-        request = None if pending_request is None else route_request(pending_request.args, pending_request.kwargs)
-        if request is None or not candidate_replicas:
+        call = None if pending_request is None else self._call(pending_request)
+        if call is None or not candidate_replicas:
             return [candidate_replicas]
         start = time.perf_counter()
         candidate_replicas = _without_avoided(candidate_replicas, pending_request)
-        decision = self.pbkv_router.choose(request, self._views(candidate_replicas))
+        decision = self.pbkv_router.choose(call.route, self._views(candidate_replicas))
+        # remember the choice now, not only once Ray has sent the call: calls that arrive together
+        # are chosen before any is sent, and would all see the same views and pick the same replica
+        self.overlay.routed(decision.replica, call.route)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
         self.decision_s.append(time.perf_counter() - start)
         return [chosen, rest] if rest and self.fallback else [chosen]
 
+    def _call(self, pending_request: PendingRequest):
+        """The request's hints, parsed once: the last request's are kept for `on_request_routed`
+        (hashing a long prompt is the largest part of a routing decision)."""
+        last = getattr(self, "_last", None)
+        if last is not None and last[0] is pending_request:
+            return last[1]
+        call = hinted_call(pending_request.args, pending_request.kwargs, self.chunks)
+        self._last = (pending_request, call)
+        return call
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        request = route_request(pending_request.args, pending_request.kwargs)
-        if request is not None:
+        call = self._call(pending_request)
+        if call is not None:
             rid = replica_id.unique_id
-            self.overlay.routed(rid, request)
+            self.overlay.routed(rid, call.route)
             self.decisions[rid] = self.decisions.get(rid, 0) + 1
+            if call.done:
+                self.pbkv_router.on_workflow_end(call.route.workflow_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         self.overlay.forget(replica_id.unique_id)

@@ -1,0 +1,86 @@
+"""`PBKVRequestRouter.choose_replicas` on fake replicas and Ray Serve LLM-shaped requests, without
+starting Ray (only `ray.serve.request_router` is imported). Marked `ray` so that `.ci/run`'s Ray
+step, where Ray is installed, runs it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("ray.serve.request_router")
+from pbkv.scale.ray_router import PBKVRequestRouter  # noqa: E402
+from test_scale_llm_hints import ChatCompletionRequest, RawRequestInfo  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@dataclass(frozen=True)
+class FakeId:
+    unique_id: str
+
+
+@dataclass
+class FakeReplica:
+    name: str
+    routing_stats: dict = field(default_factory=dict)
+
+    @property
+    def replica_id(self):
+        return FakeId(self.name)
+
+
+@dataclass
+class FakePending:
+    args: list
+    kwargs: dict = field(default_factory=dict)
+
+
+class NoQueueLens:
+    def get(self, _replica_id):
+        return None
+
+
+def router(name: str = "pbkv") -> PBKVRequestRouter:
+    r = object.__new__(PBKVRequestRouter)      # Ray's constructor needs a running deployment
+    r._replica_queue_len_cache = NoQueueLens()
+    r.initialize_state(router=name, config={"prefill_s_per_token": 1e-3, "queue_s_per_request": 0.01})
+    return r
+
+
+def request(workflow: str, turns: int = 1) -> FakePending:
+    msgs = [{"role": "system", "content": f"You are assistant {workflow}. " * 6}]
+    msgs += [{"role": "user", "content": f"step {i} of {workflow} " * 4} for i in range(turns)]
+    return FakePending([ChatCompletionRequest(messages=msgs), RawRequestInfo({"x-workflow-id": workflow})])
+
+
+def choose(r: PBKVRequestRouter, replicas, pending) -> list[list[str]]:
+    ranks = asyncio.run(r.choose_replicas(replicas, pending))
+    return [[x.name for x in rank] for rank in ranks]
+
+
+def test_calls_chosen_together_spread_and_each_workflow_then_stays():
+    """Four new workflows chosen before any was sent (a burst) spread over both replicas; each
+    workflow's next call goes where its first went."""
+    r, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
+    first = {w: choose(r, replicas, request(w))[0][0] for w in ("w0", "w1", "w2", "w3")}
+    assert sorted(first.values()) == ["a", "a", "b", "b"], first
+    for w, home in first.items():
+        assert choose(r, replicas, request(w, turns=2)) == [[home]]
+
+
+def test_a_call_without_hints_goes_to_every_candidate():
+    r, replicas = router(), [FakeReplica("a"), FakeReplica("b")]
+    plain = FakePending([ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}]), RawRequestInfo()])
+    assert choose(r, replicas, plain) == [["a", "b"]]
+
+
+def test_a_replicas_report_draws_a_workflow_it_served():
+    served = request("w9", turns=2).args[0]
+    from pbkv.scale.llm_hints import llm_call
+    from pbkv.scale.llm_record import ReplicaRecord
+    rec = ReplicaRecord("b")
+    rec.started(llm_call(served, RawRequestInfo({"x-workflow-id": "w9"})))
+    replicas = [FakeReplica("a"), FakeReplica("b", rec.stats())]
+    assert choose(router(), replicas, request("w9", turns=3)) == [["b"]]
