@@ -2,13 +2,15 @@
 the ingress on a free loopback port, driven by HTTP clients (openai, httpx); answers compared with
 a single-process `ServerThread` of the same model and seed (greedy: the same text).
 
-Marked `ray`; ONE Ray session and ONE app for the module (Ray + 2 replicas take ~40-60 s on a
-busy 2-core machine). Skipped without Ray (`pip install 'pbkv[scale]'`).
+Marked `ray`; ONE Ray session for the module (Ray + 2 replicas take ~40-60 s on a busy 2-core
+machine) and two apps in it: the main one (router pbkv), and a second one (`shared`, 2 more
+replicas reserving no Ray CPUs, router round-robin) whose replicas share one KV directory. Skipped without Ray (`pip install 'pbkv[scale]'`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import tempfile
@@ -27,21 +29,34 @@ pytestmark = pytest.mark.ray
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 KEY = "sk-test-replicas"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+CFG = ServeConfig(model="tiny", port=0, threads=1, cache=CacheConfig(device_tokens=8192), api_key=KEY,
+                  max_tokens_limit=1024, default_max_tokens=8, idle_timeout=60.0)
 
 
 @pytest.fixture(scope="module")
 def servers():
     from pbkv.scale.serve_app import ReplicaOptions, ReplicaServer
     os.environ["PYTHONPATH"] = os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])  # replicas import this pbkv
-    cfg = ServeConfig(model="tiny", port=0, threads=1, cache=CacheConfig(device_tokens=8192), api_key=KEY,
-                      max_tokens_limit=1024, default_max_tokens=8, idle_timeout=60.0)
-    single = ServerThread(cfg).start()
+    single = ServerThread(CFG).start()
     temp = tempfile.mkdtemp(prefix="pbkvray")
-    scaled = ReplicaServer(cfg, ReplicaOptions(replicas=2, router="pbkv", stats_period_s=0.5),
+    scaled = ReplicaServer(CFG, ReplicaOptions(replicas=2, router="pbkv", stats_period_s=0.5),
                            log_to_driver=False, _temp_dir=temp).start()
     yield single, scaled
     scaled.stop()
     single.stop()
+
+
+@pytest.fixture(scope="module")
+def shared(servers, tmp_path_factory):
+    """The second app, in the same Ray session (so torn down before it): 2 replicas sharing a KV
+    directory behind the round-robin router, which sends consecutive calls to alternate replicas."""
+    from pbkv.scale.serve_app import ReplicaOptions, ReplicaServer
+    cache = dataclasses.replace(CFG.cache, shared_dir=str(tmp_path_factory.mktemp("kv")), shared_bytes=64 << 20)
+    opts = ReplicaOptions(replicas=2, router="round-robin", app_name="pbkv-shared", stats_period_s=0.5,
+                          replica_cpus=0)   # the main app's replicas hold the session's CPUs
+    srv = ReplicaServer(dataclasses.replace(CFG, cache=cache), opts).start()
+    yield srv
+    srv.stop()
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -245,3 +260,54 @@ def _wait_for_restart(url: str, timeout: float = 240.0) -> None:
                 return
             http.get("/health")   # (a request between scrapes, no sleep: each scrape takes a while)
     pytest.fail("the killed replica was not replaced")
+
+
+TRIP = ("An agent plans a trip: it reads the request, lists three cities, checks the weather in "
+        "each, and writes a short plan with one line per day. ") * 3
+
+
+def _served_by(before: dict, after: dict) -> str:
+    """The one replica whose prompt tokens grew between two scrapes."""
+    grew = [r for r, v in _per_replica(after, "pbkv_prompt_tokens_total").items()
+            if v > _per_replica(before, "pbkv_prompt_tokens_total").get(r, 0)]
+    assert len(grew) == 1, grew
+    return grew[0]
+
+
+def _complete(url: str, prompt: str, agent: str) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "workflow_id": "trip", "agent": agent}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_workflow_moved_to_the_other_replica_loads_its_prefix_from_the_shared_dir(servers, shared):
+    single, _ = servers
+    m0 = _metrics(shared.url)
+    first = _complete(shared.url, TRIP, "planner")
+    m1 = _metrics(shared.url)
+    a = _served_by(m0, m1)
+    blocks = first["usage"]["prompt_tokens"] // 16
+    written = f'pbkv_shared_kv_files_written_total{{replica="{a}"}}'
+    for _ in range(200):   # A writes its blocks on its I/O thread after the prefill (each scrape takes a while)
+        if m1[written] == blocks:
+            break
+        m1 = _metrics(shared.url)
+    assert m1[written] == blocks > 0
+    second = _complete(shared.url, TRIP + "Now the agent books one hotel per city.", "booker")
+    m2 = _metrics(shared.url)
+    b = _served_by(m1, m2)
+    assert b != a                                       # the workflow moved (round-robin)
+    usage = second["usage"]
+    shared_hit = usage["pbkv_cached_tokens"]["shared"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == shared_hit >= 16 * (blocks - 1) > 0
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    hits = 'pbkv_cache_hit_tokens_total{{replica="{}",tier="shared"}}'
+    assert m2[hits.format(b)] - m1.get(hits.format(b), 0) == shared_hit   # counted on B, on tier "shared"
+    assert m2[hits.format(a)] == 0 and m2["pbkv_shared_kv_corrupt_total"] == 0
+    for got, prompt, agent in ((first, TRIP, "planner"), (second, TRIP + "Now the agent books one hotel per city.",
+                                                          "booker")):
+        want = _complete(single.url, prompt, agent)   # one process, no shared dir
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]

@@ -1,5 +1,6 @@
 """Pure pieces of `pbkv serve --replicas N` (no Ray): /metrics merging, the retry decision,
-what a replica reports to the router, and `--replicas 1` staying a single process without Ray."""
+what a replica reports to the router, each replica's folders, and `--replicas 1` staying a single
+process without Ray."""
 
 from __future__ import annotations
 
@@ -151,3 +152,31 @@ def test_a_retry_avoids_the_lost_replica_while_another_remains():
     assert _without_avoided([a, b], pending) == [b]
     assert _without_avoided([a], pending) == [a]                 # never none at all
     assert _without_avoided([a, b], NS(args=(route_hints("w", None, [1], 1, 1),), kwargs=None)) == [a, b]
+
+
+def test_every_replica_gets_the_shared_dir_and_its_own_disk_dir(tmp_path, monkeypatch):
+    import dataclasses
+
+    import pytest
+    pytest.importorskip("ray")
+    from typer.testing import CliRunner
+
+    import pbkv.scale.serve_app as serve_app
+    from pbkv.cli import app
+    from pbkv.scale.replica import replica_config
+    seen = {}
+    monkeypatch.setattr(serve_app, "run", lambda cfg, opts, log_level: seen.update(cfg=cfg, opts=opts))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--router", "round-robin", "--shared-dir", "kv",
+                                 "--shared-bytes", "1000000", "--disk-dir", "disk"])
+    assert r.exit_code == 0, r.output
+    cfg = seen["cfg"]
+    assert (seen["opts"].replicas, seen["opts"].router) == (2, "round-robin")
+    assert (cfg.cache.shared_dir, cfg.cache.shared_bytes) == (str(tmp_path / "kv"), 1_000_000)  # absolute
+    a, b = replica_config(cfg, "r1"), replica_config(cfg, "r2")
+    assert a.cache.shared_dir == b.cache.shared_dir == cfg.cache.shared_dir
+    assert (a.cache.disk_dir, b.cache.disk_dir) == (str(tmp_path / "disk" / "replica-r1"),
+                                                    str(tmp_path / "disk" / "replica-r2"))
+    assert dataclasses.replace(a, cache=cfg.cache) == cfg     # nothing else changes
+    no_disk = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=None))
+    assert replica_config(no_disk, "r1") is no_disk

@@ -77,8 +77,10 @@ def serve(
         api_key = ""                                               # refused below, with the flag's message
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
-    cache = CacheConfig(device_tokens, host_tokens, disk_tokens, disk_dir=str(disk_dir) if disk_dir else None,
-                        shared_dir=str(shared_dir) if shared_dir else None, shared_bytes=shared_bytes)
+    # absolute paths: with --replicas the engines run in Ray workers, whose working folder is not this one
+    cache = CacheConfig(device_tokens, host_tokens, disk_tokens,
+                        disk_dir=str(disk_dir.resolve()) if disk_dir else None,
+                        shared_dir=str(shared_dir.resolve()) if shared_dir else None, shared_bytes=shared_bytes)
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
                       cache=cache, record=str(record) if record else None, record_rotate=record_rotate,
                       record_context=record_context, predictor_dir=str(predictor) if predictor else None,

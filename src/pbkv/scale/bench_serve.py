@@ -1,13 +1,15 @@
 """Figures for `pbkv serve --replicas 2` on CPU, per router (a benchmark, not a test):
 
     python -m pbkv.scale.bench_serve --trace ../shared/traces/chatdev-dev.jsonl --hover-workflows 20
+    python -m pbkv.scale.bench_serve --hover-workflows 24 --routers round-robin,pbkv --shared-dir /tmp/kv
 
 For each workload (a `pbkv gen hover` replay, and the given trace file) and each router, a fresh
 engine deployment (2 `tiny` replicas, fresh caches) behind a fresh ingress replays the workload
 over HTTP (`/v1/completions` with the prompt as token ids from `TokenMapper`, so prefix sharing
 in the trace is real; workflow hints; greedy, `ignore_eos`, outputs as the trace says), with
 `--clients` workflows at a time. Reported, from the ingress's /metrics (summed over replicas):
-prompt tokens whose KV came from each tier, tokens computed by prefill, calls per replica, wall
+prompt tokens whose KV came from each tier (`shared`: the directory given by `--shared-dir`,
+which every replica reads and writes; each run gets a fresh subfolder), tokens computed by prefill, calls per replica, wall
 time and call latency p50/p99. Lengths are divided by `--scale` (outputs by `--output-scale`).
 Then the routing overhead: 64 clients x 8 calls against 2 model-free `Probe` replicas (20 ms of
 service) with each router and with Ray's default one: end-to-end p50/p99 latency (and the
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
+from pathlib import Path
 
 import httpx
 
@@ -84,6 +88,17 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def run_cfg(cfg: ServeConfig, workload: str, router: str, args) -> ServeConfig:
+    """`cfg` with a fresh shared subfolder for this run (`--shared-dir`), else unchanged."""
+    if not args.shared_dir:
+        return cfg
+    folder = Path(args.shared_dir) / f"{workload}-{router}"
+    if folder.exists() and any(folder.iterdir()):
+        raise SystemExit(f"{folder} is not empty: give --shared-dir a fresh folder (runs must start cold)")
+    cache = dataclasses.replace(cfg.cache, shared_dir=str(folder), shared_bytes=args.shared_bytes)
+    return dataclasses.replace(cfg, cache=cache)
+
+
 def run_one(cfg: ServeConfig, router: str, trace: Trace, args) -> dict:
     opts = ReplicaOptions(replicas=args.replicas, router=router, app_name=f"bench-{router}", stats_period_s=0.5)
     with ReplicaServer(cfg, opts) as srv:
@@ -92,10 +107,11 @@ def run_one(cfg: ServeConfig, router: str, trace: Trace, args) -> dict:
         wall = time.perf_counter() - start
         m = parse(httpx.get(f"{srv.url}/metrics", timeout=60).text)
     per_replica = {k.split('"')[1]: v for k, v in m.items() if k.startswith('pbkv_prompt_tokens_total{replica=')}
-    return {"router": router, "calls": len(lat), "wall_s": round(wall, 1), "p50_s": round(_pct(lat, 0.5), 3),
+    return {"router": router, "shared_dir": cfg.cache.shared_dir is not None, "calls": len(lat), "wall_s": round(wall, 1), "p50_s": round(_pct(lat, 0.5), 3),
             "p99_s": round(_pct(lat, 0.99), 3), "prompt_tokens": m["pbkv_prompt_tokens_total"],
-            **{f"hit_{t}": m[f'pbkv_cache_hit_tokens_total{{tier="{t}"}}'] for t in ("device", "host", "disk")},
+            **{f"hit_{t}": m[f'pbkv_cache_hit_tokens_total{{tier="{t}"}}'] for t in ("device", "host", "disk", "shared")},
             "computed_tokens": m["pbkv_cache_recomputed_tokens_total"],
+            "shared_files_written": m.get("pbkv_shared_kv_files_written_total", 0),
             "prompt_tokens_per_replica": sorted(per_replica.values()),
             "retried": m["pbkv_replica_retried_requests_total"], "failed": m["pbkv_replica_failed_requests_total"]}
 
@@ -137,6 +153,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="cap on each call's output tokens")
     p.add_argument("--device-tokens", type=int, default=2048, help="per replica")
     p.add_argument("--host-tokens", type=int, default=4096, help="per replica")
+    p.add_argument("--shared-dir", help="a folder for the replicas' shared KV tier (one fresh subfolder per run; "
+                                        "default: no shared tier)")
+    p.add_argument("--shared-bytes", type=int, default=1 << 30, help="bound of each run's shared subfolder")
     p.add_argument("--overhead-clients", type=int, default=64, help="0: skip the routing-overhead runs")
     p.add_argument("--out", help="write every row as JSON lines here")
     args = p.parse_args(argv)
@@ -149,7 +168,7 @@ def main(argv=None) -> None:
         print(f"\n{name}: {len({c.workflow_id for c in trace.calls})} workflows, {len(trace.calls)} calls, "
               f"{args.replicas} replicas, {args.clients} clients", flush=True)
         for router in routers:
-            row = {"workload": name} | run_one(cfg, router, trace, args)
+            row = {"workload": name} | run_one(run_cfg(cfg, name, router, args), router, trace, args)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.overhead_clients:

@@ -12,12 +12,19 @@ Closing the stream early (the client went away, or Ray cancelled it) cancels the
 (every block id it caches in any tier, each live workflow's tokens of KV, its load = jobs in
 flight) plus `tiers` (block ids per tier) and a `seq` that changes with every report; it is
 taken on the engine thread, between two engine steps, like /metrics.
+
+Folders (`replica_config`): every replica reads and writes the same `--shared-dir` (that is the
+point of the shared tier: a call routed to replica B loads the prefix A computed), but a
+`--disk-dir` is private to one engine (its files are named by a per-process counter), so each
+replica gets its own subfolder of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
@@ -25,6 +32,14 @@ from pbkv.serve.jobs import Done, Job
 from pbkv.serve.server import ServeConfig, build_state
 
 log = logging.getLogger("pbkv.scale")
+
+
+def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
+    """`cfg` for one replica: the same shared directory, its own subfolder of `disk_dir`."""
+    if not cfg.cache.disk_dir:
+        return cfg
+    disk = os.path.join(cfg.cache.disk_dir, f"replica-{replica_id}")
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=disk))
 
 
 def cache_stats(engine, table, load: float, replica_id: str) -> dict:
@@ -49,7 +64,7 @@ class EngineReplica:
     def __init__(self, cfg: ServeConfig):
         from ray import serve   # here, so `cache_stats` imports without Ray
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.state = build_state(cfg)
+        self.state = build_state(replica_config(cfg, self.id))
         self.seq = 0
 
     # ------------------------------------------------------------------ the router's view
