@@ -120,6 +120,12 @@ def test_pbkv_places_a_new_workflow_where_fewest_workflows_live():
     assert (d.replica, d.fetch_from) == ("a", None)
     # the count comes before the queue: b has fewer workflows but a long queue, it still gets the workflow
     assert make_router("pbkv", CFG).choose(req("new"), [a, view("b", 9)]).replica == "b"
+    # one workflow more is tolerated: a holds one, b none, a's cached prompt decides (a retried chat
+    # follows its prefix); with a long queue on a, b is cheaper again
+    one = view("a", 0, blocks=(1, 2, 3, 4), workflows={"x": 500})
+    assert make_router("pbkv", CFG).choose(req("new"), [one, view("b", 0)]).replica == "a"
+    assert make_router("pbkv", CFG).choose(req("new"), [view("a", 9, blocks=(1, 2, 3, 4), workflows={"x": 500}),
+                                                         view("b", 0)]).replica == "b"
 
 
 def test_pbkv_keeps_a_known_workflow_home_whatever_the_counts():

@@ -20,14 +20,23 @@ and picks the smallest queue + prefill + strand (ties: fewer workflows held, the
 A workflow whose KV is unlikely to be reused (p near 0) is placed by load and prefix alone; one
 likely to continue stays home unless waiting there costs more than what it leaves behind.
 
-A workflow no replica holds KV of (its first call, or all its KV was evicted) is placed first by
-the fewest workflows held, then by that cost. Why: placing it commits its later calls too (they
-follow their KV home), and with no prediction of a workflow's size every active workflow is
-expected to bring the same future load, so the count of workflows held is the expected future
-load; the call's own queue + prefill (seconds, only this call) would let a replica that merely
-cached the agents' prompts first attract every new workflow. Measured in the simulator (hover and
-swe, 16/48 clients, 2-8 instances, 400 workflows): pbkv's worst latency over the best other
-router's fell from 1.019 to 1.008 (seed 0) and from 1.008 to 1.005 (seed 1); docs/scale-out.md.
+A workflow no replica holds KV of (its first call, or all its KV was evicted) goes to the
+cheapest of the replicas holding the fewest workflows, and of those holding at most
+`NEW_WORKFLOW_SLACK` (1) more that cache a longer prefix of its prompt than any of the fewest
+does. Why the count: placing a workflow commits its later calls too (they follow their KV home),
+and with no prediction of a workflow's size every active workflow is expected to bring the same
+future load, so the count of workflows held is the expected future load; the call's own queue +
+prefill (seconds, only this call) alone would let a replica that merely cached the agents'
+prompts first attract every new workflow. Measured in the simulator (hover and swe, 16/48
+clients, 2-8 instances, 400 workflows): pbkv's worst latency over the best other router's fell
+from 1.019 to 1.008 (seed 0) and from 1.008 to 1.005 (seed 1); docs/scale-out.md. Why the
+exception: with the count alone a new workflow that continues a chat another replica holds (a
+retry, a fork under a new id) lost that cached prefix whenever the counts were not tied (seen
+with two vLLM replicas: `tests/test_ray_llm.py`); one workflow more is the smallest imbalance that
+lets it follow the prefix. Letting every replica within one workflow compete on cost instead
+(prefix or not) moved the simulator's worst ratios to 1.011 (seeds 0 and 1); with the exception
+the simulator's figures are unchanged (agents' prompts are cached on every replica after the
+first few calls, so the exception seldom applies there).
 `warm` names the predicted next agent's prompt blocks the chosen replica lacks, so the engine
 can load them before that call comes.
 """
@@ -38,6 +47,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, require
+
+
+NEW_WORKFLOW_SLACK = 1   # a new workflow may go to a replica holding this many more workflows than the fewest
 
 
 @dataclass(frozen=True)
@@ -56,8 +68,8 @@ class PBKVRouter(Router):
         local = {v.id: cached(v, request) for v in replicas}
         home, home_tokens = self._home(request, replicas)
         est = {v.id: self._estimate(request, v, replicas, local, home, home_tokens) for v in replicas}
-        if home is None:   # a new workflow: least expected future load first (module docstring)
-            view = argmin(replicas, lambda v: (v.workflow_count, est[v.id].seconds))
+        if home is None:   # a new workflow: fewest workflows held, unless its prefix lives elsewhere (docstring)
+            view = argmin(replicas, self._new_workflow_key(replicas, local, est))
         else:
             view = argmin(replicas, lambda v: est[v.id].seconds)
         est = est[view.id]
@@ -83,6 +95,18 @@ class PBKVRouter(Router):
             p = 1.0 if request.reuse_probability is None else request.reuse_probability
             seconds += p * cfg.recompute_s(left)
         return Estimate(seconds, source, gain, have + gain)
+
+    @staticmethod
+    def _new_workflow_key(replicas, local, est):
+        """Sort key for a new workflow: replicas holding the fewest workflows, and those within
+        `NEW_WORKFLOW_SLACK` of it that cache more of this prompt than any of the fewest, compete
+        on the call's cost; all others come after, by count."""
+        fewest = min(v.workflow_count for v in replicas)
+        reuse = max(local[v.id] for v in replicas if v.workflow_count == fewest)
+        def key(v):
+            near = v.workflow_count == fewest or (v.workflow_count <= fewest + NEW_WORKFLOW_SLACK and local[v.id] > reuse)
+            return (0 if near else v.workflow_count, est[v.id].seconds)
+        return key
 
     @staticmethod
     def _home(request, replicas) -> tuple[str | None, int]:
