@@ -107,3 +107,18 @@ def test_generated_workload_predictors_are_cached_by_workload_seed_and_code(tmp_
     assert first == again and len(trained) == 2 and first != other
     folder = first[("hover", "fused")]
     assert folder.startswith(str(tmp_path)) and "seed4" in folder and predictors.code_version() in folder
+
+
+def test_a_run_loads_only_the_predictor_its_policy_reads(monkeypatch):
+    """LRU and the peers read no trained predictor: loading one (and batching its answers for the
+    whole trace) for every run was a third of the default bench's CPU time."""
+    from pbkv.bench import sweep
+    loaded = []
+    monkeypatch.setattr(sweep.predictors_mod, "load", lambda path: loaded.append(path))
+    monkeypatch.setattr(sweep, "simulate", lambda workload, run: {"predictors": sorted(run.predictors)})
+    cfg = SweepConfig(sources=[Source("hover", spec="hover", workflows=5)], policies=["lru", "arc", "pbkv"],
+                      concurrency=[2], jobs=1, predictors={("hover", "fused"): "F", ("hover", "history"): "H",
+                                                           ("swe", "fused"): "S"})
+    got = {job[1]: sweep._run_one(job)["predictors"] for job in sweep_jobs(cfg)}
+    assert got == {"lru": [], "arc": [], "pbkv": ["fused"]}
+    assert loaded == ["F"]

@@ -18,6 +18,7 @@ from pbkv.bench import regimes as regimes_mod
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
+from pbkv.policy.registry import needed_predictor
 from pbkv.trace import read_trace
 
 if TYPE_CHECKING:  # imported where used: they pull in the real engine / the vLLM runner
@@ -107,12 +108,14 @@ def _run_one(args: tuple) -> dict:
     source, policy, concurrency, cfg, regime, (instances, router) = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
-        from pbkv.policy.registry import needed_predictor
         variant = needed_predictor(policy) if policy != "vllm" else None
         return run_policy(load_workload(source), policy, concurrency, (cfg.vllm or VLLMConfig()).with_cache(cfg.cache),
                           cfg.predictors.get((source.name, variant)) if variant else None)
+    # only the variant this policy reads: loading (and batching answers for) a predictor that a
+    # policy ignores cost about a third of the default run's CPU time
+    wanted = needed_predictor(policy)
     predictors = {variant: predictors_mod.load(path)
-                  for (name, variant), path in cfg.predictors.items() if name == source.name}
+                  for (name, variant), path in cfg.predictors.items() if name == source.name and variant == wanted}
     learner = None
     if cfg.online and predictors:
         learner = predictors_mod.online_learner(source, list(cfg.train_files), cfg.horizon or 3)
