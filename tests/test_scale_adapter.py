@@ -14,7 +14,7 @@ def test_route_request_finds_the_hints_dict():
     assert route_request([{"workflow_id": "w", "hash_ids": [1, 2, 3]}]).input_tokens == 48
 
 
-def test_overlay_remembers_routed_calls_until_the_next_report():
+def test_overlay_remembers_routed_calls_until_the_second_report_after_them():
     o = Overlay()
     req = RouteRequest("w", "a", (1, 2), 30, output_tokens=5)
     report = ReplicaSnapshot("x", load=2, blocks=frozenset({9})).to_stats() | {"seq": 1}
@@ -23,8 +23,14 @@ def test_overlay_remembers_routed_calls_until_the_next_report():
     v = o.view("x", report, load=0)
     assert v.cached_prefix_tokens([1, 2, 9, 3]) == 48 and v.workflow_tokens("w") == 35 and v.load == 0
     assert v.workflow_count == 1
-    v = o.view("x", report | {"seq": 2}, None)                      # a new report replaces the overlay
-    assert (v.cached_prefix_tokens([1]), v.cached_prefix_tokens([9]), v.load) == (0, 16, 2)
+    # the next report may have been taken before the call reached the replica: the call stays
+    v = o.view("x", report | {"seq": 2}, None)
+    assert (v.cached_prefix_tokens([1, 2]), v.workflow_tokens("w"), v.workflow_count, v.load) == (32, 35, 1, 2)
+    o.routed("x", RouteRequest("v", "a", (5,), 16))
+    v = o.view("x", report | {"seq": 3}, None)                      # the second report after it: gone
+    assert (v.cached_prefix_tokens([1]), v.cached_prefix_tokens([9]), v.workflow_tokens("w")) == (0, 16, 0)
+    assert (v.cached_prefix_tokens([5]), v.workflow_count) == (16, 1)   # the later call is kept one more
+    assert o.view("x", report | {"seq": 3}, None).cached_prefix_tokens([5]) == 16   # same seq: nothing moves
     y = o.view("y", None, None)
     assert (y.id, y.load, y.workflow_count, y.cached_prefix_tokens([1])) == ("y", 0, 0, 0)
 
@@ -33,7 +39,11 @@ def test_overlay_is_bounded():
     o = Overlay(max_blocks=3)
     o.routed("x", RouteRequest("w", "a", (1, 2), 32))
     o.routed("x", RouteRequest("v", "a", (3, 4), 32))
-    assert o.blocks["x"] == {3, 4} and o.workflows["x"] == {"v": 32}
+    assert o.recent["x"].blocks == {3, 4} and o.recent["x"].workflows == {"v": 32}
+    o.view("x", {"seq": 1}, None)
+    o.view("x", {"seq": 2}, None)                                   # {3, 4} now the older generation
+    o.routed("x", RouteRequest("u", "a", (5, 6), 32))               # 2 + 2 > 3: both cleared first
+    assert (o.recent["x"].blocks, "x" in o.older) == ({5, 6}, False)
 
 
 def test_a_workflow_follows_its_first_call_before_any_report():

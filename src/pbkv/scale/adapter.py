@@ -3,8 +3,12 @@
 A replica reports `ReplicaSnapshot.to_stats()` (cached block ids, workflow token counts, load)
 every few seconds; between two reports the router would be blind to what it just placed. The
 `Overlay` remembers, per replica, the prompts and workflows routed there since, so a workflow's
-second call finds its first one at once. A new report (its `seq` changed) replaces the overlay
-of that replica, so blocks the replica evicted do not linger; the overlay is also bounded
+second call finds its first one at once. What was routed is kept until the second new report
+(its `seq` changed) after it: the first may have been taken before the call reached the replica
+(or, with `pbkv serve --replicas`, before its prefill stored the KV), and dropping the call then
+made the workflow look new, so its next call could be placed elsewhere (seen as a flaky move in
+`tests/test_ray_serve_replicas.py`); the report after that was asked for after the first arrived.
+Blocks a replica evicted linger for at most those two reports. The overlay is also bounded
 (`max_blocks` per replica; when full it is cleared, costing routing quality until the next report).
 
 Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
@@ -48,65 +52,83 @@ def hinted_call(args: Iterable, kwargs: Mapping | None = None, chunks: TextChunk
 
 
 class MergedView:
-    """A replica's last report plus what was routed there since (a `ReplicaView`); reads both
-    sets per lookup instead of copying them, so a view costs O(prompt), not O(cache)."""
+    """A replica's last report plus what was routed there in the overlay's two generations (a
+    `ReplicaView`); reads the sets per lookup instead of copying them, so a view costs O(prompt),
+    not O(cache)."""
 
-    def __init__(self, base: ReplicaSnapshot, blocks: set[int], workflows: dict[str, int], load: float | None):
-        self.id, self.base, self.blocks, self.workflows = base.id, base, blocks, workflows
+    def __init__(self, base: ReplicaSnapshot, routed: "list[Routed]", load: float | None):
+        self.id, self.base, self.routed = base.id, base, routed
         self.load = base.load if load is None else float(load)
+
+    def _has(self, h: int) -> bool:
+        return h in self.base.blocks or any(h in g.blocks for g in self.routed)
 
     def cached_prefix_tokens(self, hash_ids) -> int:
         n = 0
         for h in hash_ids:
-            if h not in self.base.blocks and h not in self.blocks:
+            if not self._has(h):
                 break
             n += 1
         return n * self.base.block_size
 
     def workflow_tokens(self, workflow_id: str) -> int:
-        return max(self.base.workflow_tokens(workflow_id), self.workflows.get(workflow_id, 0))
+        return max([self.base.workflow_tokens(workflow_id)] + [g.workflows.get(workflow_id, 0) for g in self.routed])
 
     @property
     def workflow_count(self) -> int:
-        return len(self.base.workflows.keys() | self.workflows.keys())
+        names = set(self.base.workflows)
+        for g in self.routed:
+            names.update(g.workflows)
+        return len(names)
+
+
+@dataclass
+class Routed:
+    """Calls routed to one replica between two of its reports: prompt blocks, workflow -> tokens."""
+
+    blocks: set[int] = field(default_factory=set)
+    workflows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class Overlay:
-    """What was routed to each replica since its last report (see the module docstring)."""
+    """What was routed to each replica, kept for two of its reports (see the module docstring).
+    Invariant: per replica at most two generations (since the last report, and the one before),
+    holding together at most `max_blocks` block ids."""
 
     max_blocks: int = 200_000
-    blocks: dict[str, set[int]] = field(default_factory=dict)
-    workflows: dict[str, dict[str, int]] = field(default_factory=dict)
+    recent: dict[str, Routed] = field(default_factory=dict)    # routed since the last report
+    older: dict[str, Routed] = field(default_factory=dict)     # routed between the two last reports
     reports: dict[str, tuple[object, ReplicaSnapshot]] = field(default_factory=dict)
 
     def routed(self, replica: str, request: RouteRequest) -> None:
-        blocks = self.blocks.setdefault(replica, set())
-        if len(blocks) + len(request.hash_ids) > self.max_blocks:
-            blocks.clear()
-            self.workflows.pop(replica, None)
-        blocks.update(request.hash_ids)
-        wf = self.workflows.setdefault(replica, {})
-        wf[request.workflow_id] = max(wf.get(request.workflow_id, 0),
-                                      request.input_tokens + request.output_tokens)
+        gen = self.recent.setdefault(replica, Routed())
+        held = len(gen.blocks) + len(self.older.get(replica, Routed()).blocks)
+        if held + len(request.hash_ids) > self.max_blocks:
+            self.forget(replica)
+            gen = self.recent.setdefault(replica, Routed())
+        gen.blocks.update(request.hash_ids)
+        gen.workflows[request.workflow_id] = max(gen.workflows.get(request.workflow_id, 0),
+                                                 request.input_tokens + request.output_tokens)
 
     def forget(self, replica: str) -> None:
-        self.blocks.pop(replica, None)
-        self.workflows.pop(replica, None)
+        self.recent.pop(replica, None)
+        self.older.pop(replica, None)
 
     def view(self, replica: str, stats: Mapping | None, load: float | None) -> MergedView:
-        """The replica's last report merged with what was routed there since; `load` (a fresher
-        queue length, e.g. Ray's cache) replaces the reported one when known. A report is parsed
-        once (per `seq`; reports without one are parsed every time)."""
+        """The replica's last report merged with what was routed there before the two last reports;
+        `load` (a fresher queue length, e.g. Ray's cache) replaces the reported one when known. A
+        report is parsed once (per `seq`; reports without one are parsed every time)."""
         stats = stats or {}
         seq = stats.get("seq")
         known = self.reports.get(replica)
         if seq is None or known is None or known[0] != seq:
-            if seq is not None and known is not None:
-                self.forget(replica)   # a new report covers what was routed before it
+            if seq is not None and known is not None:   # a new report: the generations move on
+                self.older[replica] = self.recent.pop(replica, Routed())
             known = (seq, ReplicaSnapshot.from_stats(dict(stats), replica_id=replica))
             self.reports[replica] = known
-        return MergedView(known[1], self.blocks.get(replica, set()), self.workflows.get(replica, {}), load)
+        routed = [g for g in (self.recent.get(replica), self.older.get(replica)) if g is not None]
+        return MergedView(known[1], routed, load)
 
 
 _ROUTERS: "weakref.WeakSet" = weakref.WeakSet()   # this process's Ray routers (see `decision_seconds`)
