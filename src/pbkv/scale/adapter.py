@@ -102,11 +102,14 @@ class Overlay:
     reports: dict[str, tuple[object, ReplicaSnapshot]] = field(default_factory=dict)
 
     def routed(self, replica: str, request: RouteRequest) -> None:
-        gen = self.recent.setdefault(replica, Routed())
-        held = len(gen.blocks) + len(self.older.get(replica, Routed()).blocks)
+        older = self.older.get(replica)
+        gen = self.recent.get(replica)
+        held = (len(gen.blocks) if gen else 0) + (len(older.blocks) if older else 0)
         if held + len(request.hash_ids) > self.max_blocks:
             self.forget(replica)
-            gen = self.recent.setdefault(replica, Routed())
+            gen = None
+        if gen is None:
+            gen = self.recent[replica] = Routed()
         gen.blocks.update(request.hash_ids)
         gen.workflows[request.workflow_id] = max(gen.workflows.get(request.workflow_id, 0),
                                                  request.input_tokens + request.output_tokens)
@@ -116,7 +119,7 @@ class Overlay:
         self.older.pop(replica, None)
 
     def view(self, replica: str, stats: Mapping | None, load: float | None) -> MergedView:
-        """The replica's last report merged with what was routed there before the two last reports;
+        """The replica's last report merged with what was routed there since the report before it;
         `load` (a fresher queue length, e.g. Ray's cache) replaces the reported one when known. A
         report is parsed once (per `seq`; reports without one are parsed every time)."""
         stats = stats or {}

@@ -34,7 +34,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pbkv.scale import metrics_merge
 from pbkv.scale.probe import CPU_COSTS, ROUTER_CLASS
-from pbkv.scale.options import ReplicaOptions, check_options  # noqa: F401  (re-exported)
+from pbkv.scale.options import ReplicaOptions, check_options
 from pbkv.scale.remote import RemoteWorker
 from pbkv.scale.replica import EngineReplica
 from pbkv.serve.app import ServerState
