@@ -146,7 +146,7 @@ def test_a_common_node_is_discounted_by_its_share_of_workflows():
     assert nu.scores.is_common(rare)
     assert nu.of(rare) == pytest.approx((a_first + 9 * step, 0.1 * a_p))
     # ... unless an active workflow used it itself: its own prediction counts in full
-    mine = SimpleNamespace(seen_workflows=4, agent_mask=0b01, wf_agents={1: 0b01})
+    mine = SimpleNamespace(seen_workflows=4, agent_mask=0b01, wf_agents={1: 0b01}, blocks=[0])
     assert nu.of(mine) == pytest.approx((nu.when[1][0], nu.prob[1][0]))
 
 

@@ -21,6 +21,12 @@ per second of holding the node, and with p in {0, 1} it is Belady's order. `far`
 "not within the horizon": one mean step past it, stretched by 1 / s_K (a node of a dying
 workflow is as good as dead).
 
+Staleness (`staleness.py`): the predictions are per agent, but an agent's workflow may not read
+all of that agent's cache again (an old conversation, a re-rendered prompt tail). Per workflow,
+a node's probability is capped at the learned chance that cache which as many later calls of
+its agent passed over is read again, judged by the node's first block (if that block is read,
+the node is, at least in part), and its time stretched by the same ratio.
+
 A node's next use is the earliest over the (workflow, agent) pairs that may read it: the
 active workflows that used it, with their agents; and for a *common* node
 (`ReuseScores.is_common`), also every active workflow with the agents that ever used the node,
@@ -45,6 +51,7 @@ import math
 from pbkv.cache import Node
 from pbkv.policy.extremes import Extremes
 from pbkv.policy.reuse_score import ReuseScores, bits
+from pbkv.policy.staleness import Staleness
 
 INF = math.inf
 
@@ -123,6 +130,8 @@ class NextUse:
         self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
         self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
         self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
+        self.stale = Staleness()                 # which of an agent's cache its workflow still reads
+        self.at: dict[int, float] = {}           # workflow -> time of its latest prediction
         self._groups_memo = None                 # (classes list, _groups() of it)
 
     def observe_read(self, workflow: int, agent: str, node: Node) -> None:
@@ -191,13 +200,16 @@ class NextUse:
         for a in range(n):
             when[a] = effective_time(now, when[a], prob[a], far)
         self.when[workflow], self.prob[workflow] = when, prob
+        self.at[workflow] = now
         return self._refresh_classes(workflow)
 
     def remove(self, workflow: int) -> list[int]:
         self.timing.forget(workflow)
+        self.stale.end(workflow)
         if self.when.pop(workflow, None) is None:
             return []
         self.prob.pop(workflow, None)
+        self.at.pop(workflow, None)
         return self._refresh_classes(workflow)
 
     def of(self, node: Node) -> tuple[float, float]:
@@ -218,7 +230,10 @@ class NextUse:
         return best, p
 
     def _private(self, node: Node) -> tuple[float, float]:
-        """Next use and reuse probability over the active workflows that used `node`."""
+        """Next use and reuse probability over the active workflows that used `node`. Per
+        workflow, the probability is capped by the node's staleness (`staleness.py`: the share
+        of such cache, left unread for as many calls, that its workflow read again), and the
+        next use stretched to match (as `effective_time` stretches by 1 / p)."""
         scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)
@@ -227,11 +242,21 @@ class NextUse:
             if when is None or len(when) != n:
                 continue
             prob = self.prob[w]
+            wbest, wp = INF, 0.0
             for c in scores._classes_in(mask):
-                if when[c] < best:
-                    best = when[c]
-                if prob[c] > p:
-                    p = prob[c]
+                if when[c] < wbest:
+                    wbest = when[c]
+                if prob[c] > wp:
+                    wp = prob[c]
+            q = self.stale.live(w, node.blocks[0])
+            if q < wp:
+                at = self.at[w]
+                wbest = at + (wbest - at) * wp / q
+                wp = q
+            if wbest < best:
+                best = wbest
+            if wp > p:
+                p = wp
         return best, p
 
     @property

@@ -7,7 +7,9 @@ node):
      (reuse probability < DEAD_P), LRU among them;
   3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
      predictions: expected next-use time, in seconds, from the K-step agent distributions,
-     survival, and per-agent call durations and tool waits learned online), ties by LRU.
+     survival, and per-agent call durations and tool waits learned online; cache its agent's
+     later calls passed over is discounted by how often such cache was read again,
+     `staleness.py`), ties by LRU.
 Admission (`keep_on_evict`, `admission.py`): an evicted node fills free space below; when the
 tiers below are full it goes down only if it outranks what the write would finally push out of
 the cache (the lowest-ranked victim of the cascade), so retired and predicted-dead nodes never
@@ -135,6 +137,7 @@ class PBKVPolicy(Policy):
         self._observe_match(event.node)
         self.next_use.timing.call_start(w, agent, event.now)
         self.next_use.observe_read(w, agent, event.node)
+        self.next_use.stale.call(w, agent, _prompt_blocks(event))
         self.history[w].append(agent)
         self.contexts[w].append(event.call.context if event.call is not None else None)
         self._predict(w, agent, self.hiddens.get(w), event.now)
@@ -143,6 +146,8 @@ class PBKVPolicy(Policy):
         """The call has read its cache: its agent's next use is now the predicted one."""
         w = event.workflow
         self.next_use.timing.call_end(w, event.agent, event.now)
+        if getattr(event.call, "hash_ids", None) is None:   # no prompt at call start (vLLM's shadow): its path, now inserted
+            self.next_use.stale.add(w, event.agent, _prompt_blocks(event))
         pred = self.predictions.get(w)
         if pred is None:
             return
@@ -208,15 +213,22 @@ class PBKVPolicy(Policy):
         return conservative_prefetch.plan(candidates, request.budget_tokens, space)
 
     def _one_step(self, node: Node) -> float:
-        """`scores.one_step`, memoised on a private node until its workflow's next prediction
-        (prefetch scans every offloaded node at every decode-only batch: policy time)."""
-        if len(node.wf_agents) != 1 or self.scores.is_common(node):
+        """`scores.one_step` of a node, times its staleness for nodes that are not common (the
+        next call may be its agent's, yet not read this cache: `staleness.py`); memoised on a
+        private node until its workflow's next prediction (prefetch scans every offloaded
+        node at every decode-only batch: policy time)."""
+        if self.scores.is_common(node):
             return self.scores.one_step(node)
+        stale = self.next_use.stale
+        if len(node.wf_agents) != 1:
+            live = max((stale.live(w, node.blocks[0]) for w in node.wf_agents), default=1.0)
+            return self.scores.one_step(node) * live
         (w, mask), = node.wf_agents.items()
         stamp = (w, mask, self.version.get(w))
         memo = node.policy_data
         if memo is None or memo[0] != stamp:
-            memo = node.policy_data = (stamp, self.scores.one_step(node))
+            value = self.scores.one_step(node) * stale.live(w, node.blocks[0])
+            memo = node.policy_data = (stamp, value)
         return memo[1]
 
     # ---------------------------------------------------------------- feedback
@@ -290,6 +302,14 @@ class PBKVPolicy(Policy):
                     del self.common[node_id]
                 elif node.agent_mask & mask:
                     cache.refresh(node)
+
+
+def _prompt_blocks(event: CallEvent) -> list[int]:
+    """The call's prompt blocks: its hash ids, else the blocks of the path ending at its node."""
+    ids = getattr(event.call, "hash_ids", None)
+    if ids is not None:
+        return ids
+    return [b for node in event.node.path() for b in node.blocks]
 
 
 class PBKVRetiredPolicy(PBKVPolicy):
