@@ -231,9 +231,9 @@ class NextUse:
 
     def _private(self, node: Node) -> tuple[float, float]:
         """Next use and reuse probability over the active workflows that used `node`. Per
-        workflow, the probability is capped by the node's staleness (`staleness.py`: the share
-        of such cache, left unread for as many calls, that its workflow read again), and the
-        next use stretched to match (as `effective_time` stretches by 1 / p)."""
+        workflow, the probability is capped by the node's staleness (`staleness.py`: how often
+        cache that as many later calls of its agent passed over was read again), and the next
+        use stretched to match (as `effective_time` stretches by 1 / p)."""
         scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)

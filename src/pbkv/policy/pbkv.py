@@ -146,7 +146,8 @@ class PBKVPolicy(Policy):
         """The call has read its cache: its agent's next use is now the predicted one."""
         w = event.workflow
         self.next_use.timing.call_end(w, event.agent, event.now)
-        if getattr(event.call, "hash_ids", None) is None:   # no prompt at call start (vLLM's shadow): its path, now inserted
+        if getattr(event.call, "hash_ids", None) is None:
+            # no prompt at call start (vLLM's shadow): the call's path, now inserted
             self.next_use.stale.add(w, event.agent, _prompt_blocks(event))
         pred = self.predictions.get(w)
         if pred is None:
