@@ -2,46 +2,78 @@
 
 import pytest
 
-from pbkv.policy.staleness import MAX_GAP, Staleness
+from pbkv.policy.staleness import BUCKETS, Staleness, bucket
 from test_pbkv_policy import call, make
 from test_policies import eviction_order, labels
 
 
-def test_gaps_count_the_agents_own_calls_that_passed_a_block_over():
+def q(s, key, passed, since):
+    return s._build(key)[bucket(passed) * BUCKETS + bucket(since)]
+
+
+def test_buckets_are_exact_to_three_then_one_per_doubling():
+    assert [bucket(x) for x in (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 1000)] == \
+        [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+def test_states_count_the_agents_calls_and_all_calls_since_the_sender():
     s = Staleness()
-    s.call(1, "p", [1, 2, 3])        # p's call 1
-    s.call(1, "c", [10])             # another agent's call does not pass p's blocks over
-    assert s.live(1, 3) == 1.0       # gap 0: no evidence about the block itself
-    s.call(1, "p", [1, 2, 4])        # p's call 2: 1, 2 read at gap 0; 3 passed over (gap 1)
-    assert s.live(1, 3) == 1.0       # no "never" sample yet: no evidence against it
-    s.call(1, "p", [1, 2, 3, 5])     # 3 read at gap 1
-    s.call(1, "p", [1, 2, 6])        # 3 (now sent twice), 5 passed over once, 4 twice
-    s.end(1)
-    # key (p, sent once): reads at gap 0: 2 (blocks 1, 2), gap 1: 1 (block 3);
-    #   never: 6 at final gap 0, 5 at 1, 4 at 2
-    # key (p, sent more): reads at gap 0: 4; never: 1, 2 at gap 0, 3 at gap 1
-    # Q(g) = (reads at gaps >= g + 1) / (reads at gaps >= g + nevers at gaps >= g + 1)
-    assert s._build(("p", 1))[:4] == pytest.approx([4 / 7, 2 / 4, 1 / 2, 1.0])
-    assert s._build(("p", 2))[:3] == pytest.approx([5 / 8, 1 / 2, 1.0])
-    assert len(s._build(("p", 1))) == MAX_GAP + 2
+    s.call(1, "p", [1, 2, 3])        # call 0
+    s.call(1, "c", [10])             # call 1: p's blocks in state (0 of p's calls, 1 call)
+    assert s.live(1, 3) == 1.0       # no samples in that state yet
+    s.call(1, "p", [1, 2, 4])        # call 2: 1, 2 read after state (0, 1); 3 now in (1, 2)
+    s.call(1, "p", [1, 2, 3, 5])     # call 3: 3 read after (0, 1), (1, 2)
+    s.call(1, "p", [1, 2, 6])        # call 4: 4 in (1, 1), (2, 2); 3 and 5 in (1, 1)
+    s.end(1)                         # 10 went through (0, 1), (0, 2), (0, 3), never read
+    # Q = (reads + 1) / (visits + 1) per (key, state); (p, sent once):
+    assert q(s, ("p", 1), 0, 1) == pytest.approx(4 / 4)   # blocks 1, 2, 3: all read
+    assert q(s, ("p", 1), 1, 2) == pytest.approx(2 / 2)   # 3 read
+    assert q(s, ("p", 1), 1, 1) == pytest.approx(1 / 3)   # 4, 5 not
+    assert q(s, ("p", 1), 2, 2) == pytest.approx(1 / 2)   # 4 not
+    assert q(s, ("p", 2), 1, 1) == pytest.approx(1 / 2)   # 3, sent twice, not read
+    assert [q(s, ("c", 1), 0, c) for c in (1, 2, 3)] == pytest.approx([1 / 2] * 3)
+    assert len(s._build(("p", 1))) == BUCKETS * BUCKETS
     s.call(2, "p", [1, 2, 3])
-    s.call(2, "c", [20])
-    assert s.live(2, 3) == 1.0                     # only another agent's call passed
     s.call(2, "p", [7])
-    assert s.live(2, 3) == pytest.approx(1 / 2)    # passed over by one call of p
+    assert s.live(2, 3) == pytest.approx(1 / 3)    # (1, 1)
+    s.call(2, "c", [20])
+    assert s.live(2, 3) == 1.0                     # (1, 2): the one such block was read
+    assert s.live(2, 20) == 1.0                    # c's block, no call since its sender ...
     s.call(2, "p", [8])
-    assert s.live(2, 3) == pytest.approx(1 / 2)
-    s.call(2, "p", [9])
-    assert s.live(2, 3) == 1.0                     # no block was ever passed over 3 times
+    assert s.live(2, 20) == pytest.approx(1 / 2)   # ... then one of p: (0, 1)
+    assert s.live(2, 3) == 1.0                     # (2, 3): no samples
     assert s.live(2, 99) == 1.0                    # a block the workflow never sent
     assert s.live(1, 3) == 1.0                     # workflow 1 ended: forgotten
+
+
+def test_a_conversation_whose_phase_ended_is_told_from_one_its_partner_answered():
+    # ChatDev-like: phase 1, p and q alternate, each extending its own conversation; phase 2,
+    # r and s do; p and q are never called again: their conversations are dead although no
+    # call of their agent passed them over (a = 0), while during phase 1 each was read after
+    # one call of its partner (a = 0, c = 1)
+    s = Staleness()
+    for w in (1, 2):
+        s.call(w, "p", [1])
+        s.call(w, "q", [10])
+        s.call(w, "p", [1, 2])
+        s.call(w, "q", [10, 11])
+        for i in range(4):
+            s.call(w, "r" if i % 2 == 0 else "s", [100 + i])
+        s.end(w)
+    s.call(3, "p", [1, 2])
+    s.call(3, "q", [10])
+    live = s.live(3, 1)                 # p's conversation after its partner's call
+    s.call(3, "r", [100])
+    s.call(3, "s", [101])
+    ended = s.live(3, 1)                # three calls since, none of p's
+    assert ended < 0.5 < live
 
 
 def test_the_same_call_seen_twice_counts_each_block_once():
     s = Staleness()
     s.call(1, "p", [1, 2])
     s.add(1, "p", [1, 2, 3])      # its full prompt path, once inserted: no read samples
-    assert not s.reads
+    assert not any(any(row) for row in s.reads.values())
 
 
 PLAN = ([[1, 0, 0, 0], [0, 1, 0, 0]], [1.0, 1.0])   # agent a next, then b
@@ -57,7 +89,8 @@ def scenario(stale=True):
         call(cache, pol, prompt, 1.0 + i / 10, 3, "a", i, context="w3")
     pol.on_workflow_end(3, cache.end_workflow(3))
     # K, Ka: sent once, passed over by a's three later calls, never read
-    assert pol.next_use.stale._build(("a", 1))[1:5] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])
+    learned = pol.next_use.stale
+    assert [q(learned, ("a", 1), g, g) for g in (1, 2, 3, 4)] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])
     t = pol.next_use.timing
     t.duration, t.wait, t.mean_duration, t.mean_wait = {"a": 2.0}, {"a": 1.0}, 2.0, 1.0
     pol.on_workflow_start(1, "w1")

@@ -23,9 +23,10 @@ workflow is as good as dead).
 
 Staleness (`staleness.py`): the predictions are per agent, but an agent's workflow may not read
 all of that agent's cache again (an old conversation, a re-rendered prompt tail). Per workflow,
-a node's probability is capped at the learned chance that cache which as many later calls of
-its agent passed over is read again, judged by the node's first block (if that block is read,
-the node is, at least in part), and its time stretched by the same ratio.
+a node's probability is capped at the learned chance that cache in the same state (calls of
+its agent that passed it over, calls of the workflow since it was sent) is read again, judged
+by the node's first block (if that block is read, the node is, at least in part), and its time
+stretched by the same ratio.
 
 A node's next use is the earliest over the (workflow, agent) pairs that may read it: the
 active workflows that used it, with their agents; and for a *common* node
@@ -232,8 +233,8 @@ class NextUse:
     def _private(self, node: Node) -> tuple[float, float]:
         """Next use and reuse probability over the active workflows that used `node`. Per
         workflow, the probability is capped by the node's staleness (`staleness.py`: how often
-        cache that as many later calls of its agent passed over was read again), and the next
-        use stretched to match (as `effective_time` stretches by 1 / p)."""
+        cache in the same state, as many calls of its agent and of the workflow after it, was
+        read again), and the next use stretched to match (as `effective_time` stretches by 1 / p)."""
         scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)
