@@ -13,6 +13,9 @@ from pbkv.bench.sweep import Source, load_workload
 from pbkv.cache import CacheConfig
 from pbkv.cli import app
 from pbkv.engine.profiles import load_profile
+from pbkv.policy.registry import needed_predictor
+from pbkv.predict.markov import fit_markov_seqs
+from pbkv.route.round_robin import RoundRobinRouter
 from pbkv.scale.links import Link, get_link
 
 WL = Source(name="hover", spec="hover", workflows=24, seed=0)
@@ -109,3 +112,34 @@ def test_a_shared_tier_lets_any_instance_reuse_what_another_computed():
 def test_bench_cli_shared_tier_needs_instances(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--shared-tokens", "1000", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--shared-tokens needs --instances" in r.output
+
+
+SEEN: list = []   # (workflow id, reuse_probability) of every request `SpyRouter` placed
+
+
+class SpyRouter(RoundRobinRouter):
+    """Round-robin that records what each request told it (loaded as `test_cluster:SpyRouter`)."""
+
+    def choose(self, request, replicas):
+        SEEN.append((request.workflow_id, request.reuse_probability))
+        return super().choose(request, replicas)
+
+
+def test_the_router_hears_the_instances_predicted_reuse():
+    # pbkv instances tell the router P(the workflow calls again after this call), from the
+    # prediction of the instance that ran its latest call; LRU instances predict nothing
+    wl = load_workload(WL)
+    SEEN.clear()
+    simulate_cluster(wl, cfg(), 2, "test_cluster:SpyRouter", get_link("pcie4"))
+    assert {p for _, p in SEEN} == {None}
+    SEEN.clear()
+    predicting = cfg("pbkv")
+    predicting.predictors = {needed_predictor("pbkv"): fit_markov_seqs([[c.agent for c in w] for w in wl.workflows], horizon=3)}
+    simulate_cluster(wl, predicting, 2, "test_cluster:SpyRouter", get_link("pcie4"))
+    first = {}
+    for wf, p in SEEN:
+        first.setdefault(wf, p)
+    assert set(first.values()) == {None}                 # a workflow's first call: nothing predicted yet
+    later = [p for _, p in SEEN if p is not None]
+    assert len(later) == len(SEEN) - len(first)          # every later call got a prediction
+    assert all(0.0 <= p <= 1.0 for p in later) and min(later) < 1.0

@@ -131,6 +131,12 @@ class Policy:
     def prefetch(self, request: PrefetchRequest) -> list[Node]:
         return []
 
+    # advice (read by a router)
+    def reuse_probability(self, workflow: int) -> float | None:
+        """Predicted probability that `workflow` calls again after the call it is about to make,
+        and so reads the KV that call leaves here (None: no prediction; a router assumes 1)."""
+        return None
+
     def refresh_live(self, nodes: dict[int, Node]) -> None:
         """Re-rank every live node of an index the policy keeps (node id -> node), dropping the
         entries of nodes that left the tree."""

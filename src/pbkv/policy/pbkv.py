@@ -182,6 +182,14 @@ class PBKVPolicy(Policy):
         self.expected[w] = (agent, nxt)
         self._rerank(w, moved)
 
+    def reuse_probability(self, workflow: int) -> float | None:
+        """P(call t+1 | call t) from the latest prediction (made at call t-1: survival[0] is
+        P(call t), survival[1] P(call t+1)); None before the workflow's first prediction here."""
+        pred = self.predictions.get(workflow)
+        if pred is None or len(pred.survival) < 2 or float(pred.survival[0]) <= 0.0:
+            return None
+        return min(1.0, float(pred.survival[1]) / float(pred.survival[0]))
+
     def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
         self._observe(workflow, END)
         self.expected.pop(workflow, None)

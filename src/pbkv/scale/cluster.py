@@ -153,7 +153,8 @@ class Cluster:
         call = req.call
         request = RouteRequest(workflow_id=self._wf_id.get(req.workflow, call.workflow_id), agent=call.agent,
                                hash_ids=tuple(call.hash_ids), input_tokens=call.input_length,
-                               output_tokens=call.output_length)
+                               output_tokens=call.output_length,
+                               reuse_probability=self._reuse_probability(req.workflow))
         decision = self.router.choose(request, self.views)
         k = int(decision.replica)
         engine = self.instances[k]
@@ -176,6 +177,12 @@ class Cluster:
             engine.submit(req)
         if self.shared is not None:
             self._write_behind(req)
+
+    def _reuse_probability(self, workflow: int) -> float | None:
+        """The prediction of the instance that ran the workflow's latest call (its policy saw
+        every call so far there; None when it predicts nothing, e.g. LRU)."""
+        k = self._last.get(workflow)
+        return None if k is None else self.instances[k].policy.reuse_probability(workflow)
 
     def run(self) -> None:
         """Serve until no instance has work and no driver event is left."""
