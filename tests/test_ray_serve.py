@@ -26,6 +26,9 @@ def ray_local():
     os.environ["PYTHONPATH"] = os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])
     started = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # handles only, no HTTP: without a proxy actor there is nothing for Serve's controller to
+    # kill when it starts slowly (CI, a loaded 2-core machine: `ActorDiedError` in serve.run)
+    serve.start(proxy_location="Disabled")
     yield started
     serve.shutdown()
     ray.shutdown()
