@@ -4,9 +4,11 @@ Each file is a complete, valid trace (`pbkv.trace.read_trace` accepts it): the m
 whole workflow runs, each written at once when the run ends, its calls in step order (steps
 0..n-1), the last one with `done: true`. Lines come from `pbkv.trace.io`'s serialisers. A run's
 lines go to the file in one unbuffered `write` call, so a server killed at any moment (kill -9)
-leaves every file readable: a run is in it whole or not at all. A file is
-closed and the next begun after `rotate_calls` calls, so `pbkv train --trace DIR/*.jsonl` can use
-finished files while the server keeps recording.
+leaves every finished file whole and the current one whole up to its last run but one: the
+kernel may stop a large write between pages when the process is killed, so the run being
+written can be cut (`read_trace` then names the file and the cut line). A file is closed and
+the next begun after `rotate_calls` calls, so `pbkv train --trace DIR/*.jsonl` can use finished
+files while the server keeps recording.
 
 Block ids come from the prompt's token ids (`pbkv.engine.hf.tokens.block_hashes`: chained, as
 docs/trace-format.md requires). File names are `calls-<session>-<n>.jsonl`, made only from the server's
@@ -74,7 +76,7 @@ class TraceRecorder:
 
 def _write_all(fh, data: bytes) -> None:
     """One `write` system call for the whole of `data` (a regular file takes it whole unless the
-    disk is full; the loop only covers that short write)."""
+    disk is full or the process is killed mid-copy; the loop covers a short write)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fh.fileno(), view):]
