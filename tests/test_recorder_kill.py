@@ -54,7 +54,9 @@ def test_kill_9_leaves_only_whole_runs(tmp_path):
             runs += 1
     assert runs >= 3 * 5  # at least three full files of 5 runs (40 calls each)
     text = files[-1].read_bytes()
-    whole = text[:text.rfind(b'"done":true}\n') + len(b'"done":true}\n')] if b'"done":true' in text else text[:text.find(b"\n") + 1]
+    end_of_run = b'"done":true}\n'
+    last = text.rfind(end_of_run)
+    whole = text[:last + len(end_of_run)] if last >= 0 else text[:text.find(b"\n") + 1]   # else: the header only
     cut = tmp_path / "whole-part.jsonl"
     cut.write_bytes(whole)              # the file being written, up to its last whole run
     for calls in read_trace(cut).workflows().values():

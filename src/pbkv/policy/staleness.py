@@ -57,19 +57,20 @@ class Staleness:
 
     def call(self, workflow: int, agent: str, blocks) -> None:
         """A call of `workflow` by `agent` arrived with these prompt blocks (cached or not)."""
+        self._count(workflow, agent)
+        self.add(workflow, agent, blocks)
+
+    def _count(self, workflow: int, agent: str) -> None:
         self.seq.setdefault(workflow, []).append(agent)
         counts = self.agent_calls.setdefault(workflow, {})
         counts[agent] = counts.get(agent, 0) + 1
-        self.add(workflow, agent, blocks)
 
     def add(self, workflow: int, agent: str, blocks) -> None:
         """Record blocks sent by the workflow's latest call (of `agent`; a second look at the same
         call, e.g. its full prompt path once inserted, counts each block once)."""
-        seq = self.seq.setdefault(workflow, [])
-        counts = self.agent_calls.setdefault(workflow, {})
-        if not seq:
-            seq.append(agent)
-            counts[agent] = 1
+        if not self.seq.get(workflow):
+            self._count(workflow, agent)         # blocks before any call: count one
+        seq, counts = self.seq[workflow], self.agent_calls[workflow]
         now = len(seq) - 1
         seen = self.blocks.setdefault(workflow, {})
         once, again, then = (agent, 1), (agent, 2), counts[agent]
