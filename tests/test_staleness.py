@@ -16,64 +16,86 @@ def test_buckets_are_exact_to_three_then_one_per_doubling():
         [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7]
 
 
-def test_states_count_the_agents_calls_and_all_calls_since_the_sender():
+def test_a_call_is_a_chance_for_the_blocks_of_agents_whose_cache_it_reads():
     s = Staleness()
     s.call(1, "p", [1, 2, 3])        # call 0
-    s.call(1, "c", [10])             # call 1: p's blocks in state (0 of p's calls, 1 call)
-    assert s.live(1, 3) == 1.0       # no samples in that state yet
-    s.call(1, "p", [1, 2, 4])        # call 2: 1, 2 read after state (0, 1); 3 now in (1, 2)
-    s.call(1, "p", [1, 2, 3, 5])     # call 3: 3 read after (0, 1), (1, 2)
-    s.call(1, "p", [1, 2, 6])        # call 4: 4 in (1, 1), (2, 2); 3 and 5 in (1, 1)
-    s.end(1)                         # 10 went through (0, 1), (0, 2), (0, 3), never read
-    # Q = (reads + 1) / (visits + 1) per (key, state); (p, sent once):
-    assert q(s, ("p", 1), 0, 1) == pytest.approx(4 / 4)   # blocks 1, 2, 3: all read
+    s.call(1, "c", [10])             # call 1: 1, 2, 3 in state (0, 0): no evidence counted
+    assert s.live(1, 3) == 1.0       # (0 of p's calls, 1 call) since: no samples yet
+    s.call(1, "p", [1, 2, 4])        # call 2: a chance for 1, 2, 3 in (0, 1); 1 and 2 read
+    s.call(1, "p", [1, 2, 3, 5])     # call 3: 3 read in (1, 2)
+    s.call(1, "p", [1, 2, 6])        # call 4: 4 (sent by call 2) not read in (1, 1)
+    s.end(1)                         # 10 had no chance: no call of c, nor of an agent seen reading c's cache
+    # Q = (reads + 1) / (chances + 1) per (key, state); (p, sent once):
+    assert q(s, ("p", 1), 0, 1) == pytest.approx(3 / 4)   # 1, 2, 3: two read
     assert q(s, ("p", 1), 1, 2) == pytest.approx(2 / 2)   # 3 read
-    assert q(s, ("p", 1), 1, 1) == pytest.approx(1 / 3)   # 4, 5 not
-    assert q(s, ("p", 1), 2, 2) == pytest.approx(1 / 2)   # 4 not
-    assert q(s, ("p", 2), 1, 1) == pytest.approx(1 / 2)   # 3, sent twice, not read
-    assert [q(s, ("c", 1), 0, c) for c in (1, 2, 3)] == pytest.approx([1 / 2] * 3)
+    assert q(s, ("p", 1), 1, 1) == pytest.approx(1 / 2)   # 4 not
+    assert q(s, ("p", 1), 2, 2) == 1.0                    # no chance in that state
+    assert all(x == 1.0 for x in s._build(("c", 1)))
+    assert s.readers == {"p": {"p"}}
     assert len(s._build(("p", 1))) == BUCKETS * BUCKETS
     s.call(2, "p", [1, 2, 3])
     s.call(2, "p", [7])
-    assert s.live(2, 3) == pytest.approx(1 / 3)    # (1, 1)
+    assert s.live(2, 3) == pytest.approx(1 / 2)    # (1, 1)
     s.call(2, "c", [20])
     assert s.live(2, 3) == 1.0                     # (1, 2): the one such block was read
     assert s.live(2, 20) == 1.0                    # c's block, no call since its sender ...
     s.call(2, "p", [8])
-    assert s.live(2, 20) == pytest.approx(1 / 2)   # ... then one of p: (0, 1)
+    assert s.live(2, 20) == 1.0                    # ... then one of p, which does not read c's cache
     assert s.live(2, 3) == 1.0                     # (2, 3): no samples
     assert s.live(2, 99) == 1.0                    # a block the workflow never sent
     assert s.live(1, 3) == 1.0                     # workflow 1 ended: forgotten
 
 
+def test_a_partner_that_reads_an_agents_cache_makes_its_calls_chances():
+    s = Staleness()
+    for w in (1, 2):
+        s.call(w, "p", [1, 5])       # call 0
+        s.call(w, "r", [30])         # call 1
+        s.call(w, "q", [1, 2])       # call 2: q extends p's conversation (1); p's tail 5 is not sent again
+        s.call(w, "q", [40])         # call 3: q's call, a chance for 5 again
+        s.end(w)
+    assert s.readers == {"p": {"q"}}
+    assert q(s, ("p", 1), 0, 1) == pytest.approx(3 / 5)   # 1 and 5 at call 2: 1 read
+    assert q(s, ("p", 1), 0, 2) == pytest.approx(1 / 3)   # 5 at call 3: not read
+    assert all(x == 1.0 for x in s._build(("r", 1)))       # no call reads r's cache: no chances
+
+
 def test_a_conversation_whose_phase_ended_is_told_from_one_its_partner_answered():
     # ChatDev-like: phase 1, p and q alternate, each extending its own conversation; phase 2,
-    # r and s do; p and q are never called again: their conversations are dead although no
-    # call of their agent passed them over (a = 0), while during phase 1 each was read after
-    # one call of its partner (a = 0, c = 1)
+    # r calls, then p and q again, each in a new conversation. During phase 1 p's conversation
+    # is read at p's next call (a = 0, c = 1); once p's next call started a new one, the old
+    # one is not read at p's calls any more (a >= 1)
     s = Staleness()
     for w in (1, 2):
         s.call(w, "p", [1])
         s.call(w, "q", [10])
         s.call(w, "p", [1, 2])
         s.call(w, "q", [10, 11])
-        for i in range(4):
-            s.call(w, "r" if i % 2 == 0 else "s", [100 + i])
+        s.call(w, "r", [100])
+        for i in range(2):
+            s.call(w, "p", [50, 51 + i])
+            s.call(w, "q", [60, 61 + i])
         s.end(w)
     s.call(3, "p", [1, 2])
     s.call(3, "q", [10])
     live = s.live(3, 1)                 # p's conversation after its partner's call
     s.call(3, "r", [100])
-    s.call(3, "s", [101])
-    ended = s.live(3, 1)                # three calls since, none of p's
+    s.call(3, "p", [50])
+    s.call(3, "q", [60])
+    ended = s.live(3, 1)                # p's call since started another conversation
     assert ended < 0.5 < live
 
 
 def test_the_same_call_seen_twice_counts_each_block_once():
     s = Staleness()
     s.call(1, "p", [1, 2])
-    s.add(1, "p", [1, 2, 3])      # its full prompt path, once inserted: no read samples
-    assert not any(any(row) for row in s.reads.values())
+    s.add(1, "p", [1, 2, 3])      # its full prompt path, once inserted: nothing sent again
+    assert not s.sent[1]
+    s.call(1, "c", [9])
+    s.call(1, "p", [1, 2, 3])     # 1, 2, 3 sent again once each, in state (0, 1)
+    s.call(1, "p", [7])
+    assert q(s, ("p", 1), 0, 1) == pytest.approx(4 / 4)
+    assert s._row(s.chances, ("p", 1))[1] == 3
 
 
 PLAN = ([[1, 0, 0, 0], [0, 1, 0, 0]], [1.0, 1.0])   # agent a next, then b
@@ -88,9 +110,9 @@ def scenario(stale=True):
     for i, prompt in enumerate(["Ka", "Lb", "Lbc", "Lbcd"]):
         call(cache, pol, prompt, 1.0 + i / 10, 3, "a", i, context="w3")
     pol.on_workflow_end(3, cache.end_workflow(3))
-    # K, Ka: sent once, passed over by a's three later calls, never read
+    # K, Ka: sent once, not read at a's calls 2 and 3 (states (1, 1), (2, 2)); no call followed (3, 3)
     learned = pol.next_use.stale
-    assert [q(learned, ("a", 1), g, g) for g in (1, 2, 3, 4)] == pytest.approx([1 / 3, 1 / 3, 1 / 3, 1.0])
+    assert [q(learned, ("a", 1), g, g) for g in (1, 2, 3, 4)] == pytest.approx([1 / 3, 1 / 3, 1.0, 1.0])
     t = pol.next_use.timing
     t.duration, t.wait, t.mean_duration, t.mean_wait = {"a": 2.0}, {"a": 1.0}, 2.0, 1.0
     pol.on_workflow_start(1, "w1")

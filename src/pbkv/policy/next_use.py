@@ -23,8 +23,9 @@ workflow is as good as dead).
 
 Staleness (`staleness.py`): the predictions are per agent, but an agent's workflow may not read
 all of that agent's cache again (an old conversation, a re-rendered prompt tail). Per workflow,
-a node's probability is capped at the learned chance that cache in the same state (calls of
-its agent that passed it over, calls of the workflow since it was sent) is read again, judged
+a node's probability is capped at the learned chance that a call reading its agent's cache
+reads cache in the same state (calls of its agent that passed it over, calls of the workflow
+since it was sent), judged
 by the node's first block (if that block is read, the node is, at least in part), and its time
 stretched by the same ratio.
 
@@ -233,8 +234,8 @@ class NextUse:
     def _private(self, node: Node) -> tuple[float, float]:
         """Next use and reuse probability over the active workflows that used `node`. Per
         workflow, the probability is capped by the node's staleness (`staleness.py`: how often
-        cache in the same state, as many calls of its agent and of the workflow after it, was
-        read again), and the next use stretched to match (as `effective_time` stretches by 1 / p)."""
+        a call reading its agent's cache read cache in the same state, as many calls of its agent
+        and of the workflow after it), and the next use stretched to match (as `effective_time` stretches by 1 / p)."""
         scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)

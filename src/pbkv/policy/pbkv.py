@@ -7,9 +7,8 @@ node):
      (reuse probability < DEAD_P), LRU among them;
   3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
      predictions: expected next-use time, in seconds, from the K-step agent distributions,
-     survival, and per-agent call durations and tool waits learned online; cache its agent's
-     later calls passed over is discounted by how often such cache was read again,
-     `staleness.py`), ties by LRU.
+     survival, and per-agent call durations and tool waits learned online; cache is discounted by
+     how often a call reading its agent's cache read cache in the same state, `staleness.py`), ties by LRU.
 Admission (`keep_on_evict`, `admission.py`): an evicted node fills free space below; when the
 tiers below are full it goes down only if it outranks what the write would finally push out of
 the cache (the lowest-ranked victim of the cascade), so retired and predicted-dead nodes never

@@ -1,33 +1,41 @@
-"""Staleness: how likely a workflow reads again cache that its later calls passed over.
+"""Staleness: how likely the next call that reads an agent's cache reads a given block of it.
 
 Learned online from the calls' prompts, independent of what the cache held. Each active
 workflow remembers every prompt block it sent, with the call that last sent it (its *sender*).
-After a later call u of the workflow, a block that no call since its sender sent again is in
-*state* (a, c): a = calls of the sender's agent among them (the agent's calls that passed it
-over), c = all of them (the workflow's calls since). When a later call sends the block again
-(hash ids are chained: its whole prefix was sent again too), each state the block went through
-gets one "visit" and one "read"; when the workflow ends, each state a remembered block went
-through gets one "visit". Samples are kept per key = (agent, whether the block was sent once
-or more), with a and c pooled in log-sized buckets (0, 1, 2, 3, 4-7, 8-15, 16-31, 32+):
+When a later call u of the workflow arrives, a block that no call since its sender sent again is
+in *state* (a, c): a = calls of the sender's agent since the sender (the agent's calls that
+passed it over), c = all calls since. Call u is a *chance* for the block when u's agent reads
+the sender's agent's cache (the agent itself, or an agent seen sending again a block that agent
+sent); it is a *read* when u sends the block again (hash ids are chained: its whole prefix was
+sent again too). Samples are kept per key = (agent, whether the block was sent once or more),
+with a and c pooled in log-sized buckets (0, 1, 2, 3, 4-7, 8-15, 16-31, 32+):
 
-    Q_k(a, c) = (reads_k(a, c) + 1) / (visits_k(a, c) + 1)
+    Q_k(a, c) = (reads_k(a, c) + 1) / (chances_k(a, c) + 1)
 
-is the probability that such a block, in that state, is read again (one pseudo-read keeps a
-state with no samples from being called dead on no evidence). In state (0, 0) (no call since
-its sender) there is no evidence about the block itself: 1 (whether the workflow calls the
-agent again is the predictor's business).
+is the probability that a call reading the agent's cache reads such a block, in that state (one
+pseudo-read keeps a state with no samples from being called dead on no evidence). In state
+(0, 0) (no call since its sender) there is no evidence about the block itself: 1. Whether such
+a call comes at all is the predictor's business: `NextUse` caps its probability with Q.
 
 Why (issue 11, real traces): the agent predictions say *which agent* a workflow calls next, not
 *which of that agent's cache* the call reads. ChatDev's Programmer keeps one conversation per
 phase: a conversation a Programmer call passed over is rarely read again, while one every
-Programmer call extends is live; and a conversation of a phase that ended is dead although
-its agent was not called since (a = 0, c large), while the live one alternates with its
-partner's calls (a = 0, c = 1). In a tool-calling conversation (tau-bench, BFCL) a prompt tail
-that the next call re-rendered is dead. Agent-level predictions rank all of these alike; the
-state tells them apart. Both counts are needed: the agent's own calls keep a conversation
-alive while other agents run (hover: the retriever's, over a summarizer and a verifier call),
-the workflow's calls catch a phase that ended. Sent once vs more: a block already read again
-is a conversation's history, read again more often than a one-off.
+Programmer call extends is live; and a conversation of a phase that ended is not read by the
+calls of the agents that read it (a = 0, c large), while the live one is read at its partner's
+next call (a = 0, c = 1). In a tool-calling conversation (tau-bench, BFCL) a prompt tail that
+the next call re-rendered is dead. Agent-level predictions rank all of these alike; the state
+tells them apart. Both counts are needed: the agent's own calls keep a conversation alive while
+other agents run (hover: the retriever's, over a summarizer and a verifier call), the
+workflow's calls catch a phase that ended. Sent once vs more: a block already read again is a
+conversation's history, read again more often than a one-off.
+
+Why per reader call, not "ever read again" (the previous rule, which counted a state as visited
+when the block was read, or when its workflow ended): (1) evidence comes at every call, not at
+the end of a workflow: with 16 long ChatDev workflows running at once, no "never read" sample
+came until the first one ended, so for most of a replay every state looked live; (2) "ever read"
+pools whether the agent is called again with whether its call reads the block, and the first
+is what the predictor knows per workflow (swe's reviewer: its blocks are read whenever it is
+called; hover's summarizer after the verifier). Measured in docs/benchmarks.md, "Staleness".
 """
 
 from __future__ import annotations
@@ -43,17 +51,19 @@ def bucket(x: int) -> int:
 
 
 class Staleness:
-    """Per key: visits and reads by state; per workflow: its calls' agents and its blocks."""
+    """Per key: chances and reads by state; per workflow: its calls' agents and its blocks, the
+    blocks grouped by sender (a group: (sender call index, its agent's calls then, key))."""
 
     def __init__(self):
-        # workflow -> block -> (its sender: index of the call, its agent's calls so far; key)
-        self.blocks: dict[int, dict[int, tuple[int, int, tuple]]] = {}
-        self.seq: dict[int, list[str]] = {}                   # workflow -> agent of each call
-        self.agent_calls: dict[int, dict[str, int]] = {}       # workflow -> agent -> calls so far
-        # key: (agent, 1 if the workflow sent the block once so far, else 2)
-        self.visits: dict[tuple, list[int]] = {}   # key -> samples by state a * BUCKETS + c
-        self.reads: dict[tuple, list[int]] = {}    # key -> read samples by state
-        self._tables: dict[tuple, list[float]] = {}  # key -> Q by state (rebuilt after new samples)
+        self.blocks: dict[int, dict[int, tuple]] = {}    # workflow -> block -> its group
+        self.groups: dict[int, Counter] = {}             # workflow -> group -> blocks not sent since
+        self.sent: dict[int, Counter] = {}               # workflow -> group -> blocks the latest call sent again
+        self.seq: dict[int, list[str]] = {}              # workflow -> agent of each call
+        self.agent_calls: dict[int, dict[str, int]] = {}  # workflow -> agent -> calls so far
+        self.readers: dict[str, set[str]] = {}           # agent -> agents whose calls sent its blocks again
+        self.chances: dict[tuple, list[int]] = {}        # key -> samples by state a * BUCKETS + c
+        self.reads: dict[tuple, list[int]] = {}          # key -> read samples by state
+        self._tables: dict[tuple, list[float]] = {}      # key -> Q by state (rebuilt after new samples)
 
     def call(self, workflow: int, agent: str, blocks) -> None:
         """A call of `workflow` by `agent` arrived with these prompt blocks (cached or not)."""
@@ -61,6 +71,8 @@ class Staleness:
         self.add(workflow, agent, blocks)
 
     def _count(self, workflow: int, agent: str) -> None:
+        if self.seq.get(workflow):
+            self._close(workflow)                # the previous call's blocks are all known now
         self.seq.setdefault(workflow, []).append(agent)
         counts = self.agent_calls.setdefault(workflow, {})
         counts[agent] = counts.get(agent, 0) + 1
@@ -70,28 +82,55 @@ class Staleness:
         call, e.g. its full prompt path once inserted, counts each block once)."""
         if not self.seq.get(workflow):
             self._count(workflow, agent)         # blocks before any call: count one
-        seq, counts = self.seq[workflow], self.agent_calls[workflow]
-        now = len(seq) - 1
+        now = len(self.seq[workflow]) - 1
+        then = self.agent_calls[workflow][agent]
+        once, again = (now, then, (agent, 1)), (now, then, (agent, 2))
         seen = self.blocks.setdefault(workflow, {})
-        once, again, then = (agent, 1), (agent, 2), counts[agent]
-        read = Counter()
+        groups = self.groups.setdefault(workflow, Counter())
+        sent = self.sent.setdefault(workflow, Counter())
         for b in blocks:
             last = seen.get(b)
             if last is None:
-                seen[b] = (now, then, once)
+                seen[b] = once
+                groups[once] += 1
             elif last[0] != now:                 # not this call's own block: read again
-                read[last[0], last[2]] += 1
-                seen[b] = (now, then, again)
-        for (sender, key), n in read.items():
-            self._walk(seq, sender, now - 1, key, n, read=True)
+                groups[last] -= 1
+                if not groups[last]:
+                    del groups[last]
+                sent[last] += 1
+                seen[b] = again
+                groups[again] += 1
+
+    def _close(self, workflow: int) -> None:
+        """The workflow's latest call u is complete: count it as a chance for every group of
+        blocks whose agent's cache u's agent reads, and as a read for those it sent again."""
+        seq, counts = self.seq[workflow], self.agent_calls[workflow]
+        u = len(seq) - 1
+        caller = seq[u]
+        sent = self.sent.pop(workflow, Counter())
+        for _, _, key in sent:
+            self.readers.setdefault(key[0], set()).add(caller)
+        groups = self.groups.get(workflow, {})
+        for group in set(groups) | set(sent):
+            sender, then, key = group
+            since = u - 1 - sender
+            agent = key[0]
+            if since <= 0 or (caller != agent and caller not in self.readers.get(agent, ())):
+                continue
+            read = sent.get(group, 0)
+            n = groups.get(group, 0) + read
+            passed = counts[agent] - (caller == agent) - then
+            state = bucket(passed) * BUCKETS + bucket(since)
+            self._row(self.chances, key)[state] += n
+            self._row(self.reads, key)[state] += read
+            self._tables.pop(key, None)
 
     def end(self, workflow: int) -> None:
-        """The workflow ended: every block it still remembers was never read again."""
-        seq = self.seq.pop(workflow, [])
-        self.agent_calls.pop(workflow, None)
-        never = Counter((sender, key) for sender, _, key in self.blocks.pop(workflow, {}).values())
-        for (sender, key), n in never.items():
-            self._walk(seq, sender, len(seq) - 1, key, n, read=False)
+        """The workflow ended: count its last call, forget its blocks."""
+        if self.seq.get(workflow):
+            self._close(workflow)
+        for table in (self.seq, self.agent_calls, self.blocks, self.groups, self.sent):
+            table.pop(workflow, None)
 
     def live(self, workflow: int, block: int) -> float:
         """Q for the workflow's cache starting at `block`; 1.0 when the workflow never sent it
@@ -109,19 +148,6 @@ class Staleness:
         passed = self.agent_calls[workflow][key[0]] - then
         return table[bucket(passed) * BUCKETS + bucket(since)]
 
-    def _walk(self, seq: list[str], sender: int, last: int, key: tuple, n: int, read: bool) -> None:
-        """Count the states that `n` blocks of `key`, sent by call `sender`, went through after
-        calls sender+1 .. last (state (0, 0) is never looked up: not counted)."""
-        visits, reads = self._row(self.visits, key), self._row(self.reads, key)
-        agent, passed = key[0], 0
-        for u in range(sender + 1, last + 1):
-            passed += seq[u] == agent
-            state = bucket(passed) * BUCKETS + bucket(u - sender)
-            visits[state] += n
-            if read:
-                reads[state] += n
-        self._tables.pop(key, None)
-
     @staticmethod
     def _row(table: dict[tuple, list[int]], key: tuple) -> list[int]:
         row = table.get(key)
@@ -130,6 +156,6 @@ class Staleness:
         return row
 
     def _build(self, key: tuple) -> list[float]:
-        """Q by state, for every state (a state never visited: 1)."""
-        visits, reads = self._row(self.visits, key), self._row(self.reads, key)
-        return [(r + 1) / (v + 1) for r, v in zip(reads, visits)]
+        """Q by state, for every state (a state with no chances: 1)."""
+        chances, reads = self._row(self.chances, key), self._row(self.reads, key)
+        return [(r + 1) / (n + 1) for r, n in zip(reads, chances)]
