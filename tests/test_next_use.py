@@ -119,12 +119,12 @@ def test_class_extremes_stay_exact_over_updates_and_removals():
             assert nu.pmax[a] == max((v[a] for v in nu.prob.values()), default=0.0)
 
 
-def test_readers_are_learned_from_the_paths_calls_arrive_on():
+def test_readers_are_learned_from_the_blocks_calls_send_again():
     cache, pol, _ = make({"w1": PLAN})
     pol.on_workflow_start(1, "w1")
     call(cache, pol, "Ca", 1.0, 1, "a", 0, context="w1")
-    call(cache, pol, "Ce", 2.0, 1, "c", 1, context="w1")   # arrives on "C": a used it
-    assert pol.next_use.readers == {"a": {"c"}}
+    call(cache, pol, "Ce", 2.0, 1, "c", 1, context="w1")   # sends "C" again: a's call sent it first
+    assert pol.next_use.stale.readers == {"a": {"c"}}
     # one conversation: a's cache ("Ca") is read by the next call, of a (PLAN: a next) or c
     assert pol.next_use.of(cache.tree.match(ids("Ca"))[0])[1] == 1.0
 

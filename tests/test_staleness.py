@@ -31,7 +31,7 @@ def test_a_call_is_a_chance_for_the_blocks_of_agents_whose_cache_it_reads():
     assert q(s, ("p", 1), 1, 1) == pytest.approx(1 / 2)   # 4 not
     assert q(s, ("p", 1), 2, 2) == 1.0                    # no chance in that state
     assert all(x == 1.0 for x in s._build(("c", 1)))
-    assert s.readers == {"p": {"p"}}
+    assert s.readers == {}                   # p sent again only blocks p first sent: no other reader
     assert len(s._build(("p", 1))) == BUCKETS * BUCKETS
     s.call(2, "p", [1, 2, 3])
     s.call(2, "p", [7])
@@ -131,3 +131,19 @@ def test_a_stale_conversation_goes_before_a_live_one_of_a_later_workflow():
     retired = labels("Ka", "Lbcd", "Lbc", "Lb")
     assert eviction_order(scenario(stale=False)) == retired + labels("Na", "Ma", "Pbc", "Pb")
     assert eviction_order(scenario()) == retired + labels("Ma", "Na", "Pbc", "Pb")
+
+
+def test_readers_are_named_by_a_block_s_first_sender_not_its_latest():
+    # dialogue-like: every prompt starts with the shared preamble (1, 2); the router's and the
+    # specialist's conversations (10..., 20...) are their own. Each call sends the preamble the
+    # previous call sent: by the latest sender, the router "read" the specialist's cache
+    s = Staleness()
+    s.call(1, "router", [1, 2, 10])
+    s.call(1, "billing", [1, 2, 20])
+    s.call(1, "router", [1, 2, 10, 11])
+    s.call(1, "billing", [1, 2, 20, 21])
+    assert s.readers == {"router": {"billing"}}      # billing sends the preamble the router sent first
+    s.call(1, "router", [1, 2, 10, 11, 12])          # not a chance for billing's conversation
+    s.end(1)
+    assert q(s, ("billing", 1), 0, 1) == 1.0         # billing's 20: read at billing's next call only
+    assert all(x == 1.0 for x in s._build(("billing", 1)))

@@ -9,10 +9,10 @@ distribution of the agent of call s+k (given it happens) and s_k the probability
     t_k     = now + d(cur) + sum_{j<=k} g_j + sum_{j<k} d_j   (expected issue time of call s+k)
     E(a)    = now + (sum_k f_k(a) t_k / p(a) - now) / p(a)   (ranking time of a's cache; far if p = 0)
 
-R(a), the readers of agent a's cache, is a itself plus every agent seen (online) arriving at a
-cached path that a's calls of the same workflow used: a workflow whose prompts all extend one
-conversation (tool-calling agents) has every agent read every other's cache, while agents
-with their own prompts (a planner, a verifier) read only their own.
+R(a), the readers of agent a's cache, is a itself plus every agent seen (online) sending again
+a block that a's call was the first of its workflow to send (`Staleness.readers`): a workflow
+whose prompts all extend one conversation (tool-calling agents) has every agent read every
+other's cache, while agents with their own prompts (a planner, a verifier) read only their own.
 d and g are per-agent call durations (call arrival to end, queueing included) and tool waits
 (end of a workflow's call to its next call's arrival), learned online from the call events
 (`Timing`); d_j, g_j are their expectations under P_j. E(a) is the expected wait given a read
@@ -131,39 +131,24 @@ class NextUse:
         self.when: dict[int, list[float]] = {}   # workflow -> E(a) per class
         self.prob: dict[int, list[float]] = {}   # workflow -> p(a) per class
         self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
-        self.readers: dict[str, set[str]] = {}   # agent -> agents whose calls read its cache
-        self.stale = Staleness()                 # which of an agent's cache its workflow still reads
+        self.stale = Staleness()                 # which of an agent's cache its workflow still reads; readers
         self.at: dict[int, float] = {}           # workflow -> time of its latest prediction
-        self._groups_memo = None                 # (classes list, _groups() of it)
-
-    def observe_read(self, workflow: int, agent: str, node: Node) -> None:
-        """A call of `agent` arrived with its prompt's cached path ending at `node`: the agents
-        whose calls of this workflow used that node wrote cache that `agent` reads. (Each agent
-        reads its own cache by default; in a workflow whose prompts all extend one
-        conversation, every agent reads every other's.)"""
-        mask = node.wf_agents.get(workflow, 0) if node.alive else 0
-        names = self.scores.classes
-        if not mask or not names:   # nothing used it yet, or no predictor (no classes)
-            return
-        self.scores._extend_bits()
-        for c in self.scores._classes_in(mask):
-            if c < len(names) and names[c] != agent:
-                readers = self.readers.setdefault(names[c], set())
-                if agent not in readers:
-                    readers.add(agent)
-                    self._groups_memo = None
+        self._groups_memo = None                 # (classes list, reader count, _groups() of it)
 
     def _groups(self) -> list[list[int]]:
         """Per class: the classes whose calls read its cache (itself first). Memoised until a
-        reader is added or the classes change (it is read at every prediction: policy time)."""
+        reader is added (readers only grow: their count dates them) or the classes change (it
+        is read at every prediction: policy time)."""
         names = self.scores.classes
+        readers = self.stale.readers
+        count = sum(map(len, readers.values()))
         memo = self._groups_memo
-        if memo is not None and memo[0] is names:
-            return memo[1]
+        if memo is not None and memo[0] is names and memo[1] == count:
+            return memo[2]
         index = {name: i for i, name in enumerate(names)}
-        groups = [[a] + [index[r] for r in sorted(self.readers.get(name, ())) if r in index]
+        groups = [[a] + [index[r] for r in sorted(readers.get(name, ())) if r in index and r != name]
                   for a, name in enumerate(names)]
-        self._groups_memo = (names, groups)
+        self._groups_memo = (names, count, groups)
         return groups
 
     def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:

@@ -135,7 +135,6 @@ class PBKVPolicy(Policy):
         self._observe(w, agent)
         self._observe_match(event.node)
         self.next_use.timing.call_start(w, agent, event.now)
-        self.next_use.observe_read(w, agent, event.node)
         self.next_use.stale.call(w, agent, _prompt_blocks(event))
         self.history[w].append(agent)
         self.contexts[w].append(event.call.context if event.call is not None else None)

@@ -5,8 +5,8 @@ workflow remembers every prompt block it sent, with the call that last sent it (
 When a later call u of the workflow arrives, a block that no call since its sender sent again is
 in *state* (a, c): a = calls of the sender's agent since the sender (the agent's calls that
 passed it over), c = all calls since. Call u is a *chance* for the block when u's agent reads
-the sender's agent's cache (the agent itself, or an agent seen sending again a block that agent
-sent); it is a *read* when u sends the block again (hash ids are chained: its whole prefix was
+the sender's agent's cache (the agent itself, or a *reader* of it: an agent whose call sent again
+a block that the agent's call was the first of the workflow to send); it is a *read* when u sends the block again (hash ids are chained: its whole prefix was
 sent again too). Samples are kept per key = (agent, whether the block was sent once or more),
 with a and c pooled in log-sized buckets (0, 1, 2, 3, 4-7, 8-15, 16-31, 32+):
 
@@ -28,6 +28,14 @@ tells them apart. Both counts are needed: the agent's own calls keep a conversat
 other agents run (hover: the retriever's, over a summarizer and a verifier call), the
 workflow's calls catch a phase that ended. Sent once vs more: a block already read again is a
 conversation's history, read again more often than a one-off.
+
+Why readers by the block's first sender, not its latest: every agent's prompt starts with the
+framework's shared preamble, so each call sends again blocks the previous call (of any agent)
+sent; by the latest sender every agent read every other's cache (dialogue: the router "read"
+the specialists' conversations), and the calls of agents that never read a cache counted as
+chances for it. `NextUse` reads the same readers (issue 11: one rule, learned from the prompts
+alone; it had a twin learned from the cached paths calls arrived on, which depended on what the
+cache held and grew the same way).
 
 Why per reader call, not "ever read again" (the previous rule, which counted a state as visited
 when the block was read, or when its workflow ended): (1) evidence comes at every call, not at
@@ -60,7 +68,8 @@ class Staleness:
         self.sent: dict[int, Counter] = {}               # workflow -> group -> blocks the latest call sent again
         self.seq: dict[int, list[str]] = {}              # workflow -> agent of each call
         self.agent_calls: dict[int, dict[str, int]] = {}  # workflow -> agent -> calls so far
-        self.readers: dict[str, set[str]] = {}           # agent -> agents whose calls sent its blocks again
+        self.readers: dict[str, set[str]] = {}           # agent -> other agents whose calls sent again blocks it first sent
+        self.origin: dict[int, dict[int, str]] = {}      # workflow -> block -> agent of the call that first sent it
         self.chances: dict[tuple, list[int]] = {}        # key -> samples by state a * BUCKETS + c
         self.reads: dict[tuple, list[int]] = {}          # key -> read samples by state
         self._tables: dict[tuple, list[float]] = {}      # key -> Q by state (rebuilt after new samples)
@@ -88,12 +97,17 @@ class Staleness:
         seen = self.blocks.setdefault(workflow, {})
         groups = self.groups.setdefault(workflow, Counter())
         sent = self.sent.setdefault(workflow, Counter())
+        origin = self.origin.setdefault(workflow, {})
         for b in blocks:
             last = seen.get(b)
             if last is None:
                 seen[b] = once
                 groups[once] += 1
+                origin[b] = agent
             elif last[0] != now:                 # not this call's own block: read again
+                first = origin[b]
+                if first != agent:
+                    self.readers.setdefault(first, set()).add(agent)
                 groups[last] -= 1
                 if not groups[last]:
                     del groups[last]
@@ -108,8 +122,6 @@ class Staleness:
         u = len(seq) - 1
         caller = seq[u]
         sent = self.sent.pop(workflow, Counter())
-        for _, _, key in sent:
-            self.readers.setdefault(key[0], set()).add(caller)
         groups = self.groups.get(workflow, {})
         for group in set(groups) | set(sent):
             sender, then, key = group
@@ -129,7 +141,7 @@ class Staleness:
         """The workflow ended: count its last call, forget its blocks."""
         if self.seq.get(workflow):
             self._close(workflow)
-        for table in (self.seq, self.agent_calls, self.blocks, self.groups, self.sent):
+        for table in (self.seq, self.agent_calls, self.blocks, self.groups, self.sent, self.origin):
             table.pop(workflow, None)
 
     def live(self, workflow: int, block: int) -> float:
