@@ -6,9 +6,10 @@ When a later call u of the workflow arrives, a block that no call since its send
 in *state* (a, c): a = calls of the sender's agent since the sender (the agent's calls that
 passed it over), c = all calls since. Call u is a *chance* for the block when u's agent reads
 the sender's agent's cache (the agent itself, or a *reader* of it: an agent whose call sent again
-a block that the agent's call was the first of the workflow to send); it is a *read* when u sends the block again (hash ids are chained: its whole prefix was
-sent again too). Samples are kept per key = (agent, whether the block was sent once or more),
-with a and c pooled in log-sized buckets (0, 1, 2, 3, 4-7, 8-15, 16-31, 32+):
+a block that the agent's call was the first of the workflow to send); it is a *read* when u
+sends the block again (hash ids are chained: its whole prefix was sent again too). Samples are
+kept per key = (agent, whether the block was sent once or more), with a and c pooled in
+log-sized buckets (0, 1, 2, 3, 4-7, 8-15, 16-31, 32+):
 
     Q_k(a, c) = (reads_k(a, c) + 1) / (chances_k(a, c) + 1)
 
@@ -68,8 +69,8 @@ class Staleness:
         self.sent: dict[int, Counter] = {}               # workflow -> group -> blocks the latest call sent again
         self.seq: dict[int, list[str]] = {}              # workflow -> agent of each call
         self.agent_calls: dict[int, dict[str, int]] = {}  # workflow -> agent -> calls so far
-        self.readers: dict[str, set[str]] = {}           # agent -> other agents whose calls sent again blocks it first sent
-        self.origin: dict[int, dict[int, str]] = {}      # workflow -> block -> agent of the call that first sent it
+        self.readers: dict[str, set[str]] = {}           # agent -> other agents sending again blocks it sent first
+        self.origin: dict[int, dict[int, str]] = {}      # workflow -> block -> agent of its first sender
         self.chances: dict[tuple, list[int]] = {}        # key -> samples by state a * BUCKETS + c
         self.reads: dict[tuple, list[int]] = {}          # key -> read samples by state
         self._tables: dict[tuple, list[float]] = {}      # key -> Q by state (rebuilt after new samples)
