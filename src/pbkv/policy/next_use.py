@@ -25,9 +25,8 @@ Staleness (`staleness.py`): the predictions are per agent, but an agent's workfl
 all of that agent's cache again (an old conversation, a re-rendered prompt tail). Per workflow,
 a node's probability is capped at the learned chance that a call reading its agent's cache
 reads cache in the same state (calls of its agent that passed it over, calls of the workflow
-since it was sent), judged
-by the node's first block (if that block is read, the node is, at least in part), and its time
-stretched by the same ratio.
+since it was sent), judged by the node's first block (if that block is read, the node is, at
+least in part), and its time stretched by the same ratio.
 
 A node's next use is the earliest over the (workflow, agent) pairs that may read it: the
 active workflows that used it, with their agents; and for a *common* node
@@ -146,7 +145,7 @@ class NextUse:
         if memo is not None and memo[0] is names and memo[1] == count:
             return memo[2]
         index = {name: i for i, name in enumerate(names)}
-        groups = [[a] + [index[r] for r in sorted(readers.get(name, ())) if r in index and r != name]
+        groups = [[a] + [index[r] for r in sorted(readers.get(name, ())) if r in index]
                   for a, name in enumerate(names)]
         self._groups_memo = (names, count, groups)
         return groups
@@ -220,7 +219,8 @@ class NextUse:
         """Next use and reuse probability over the active workflows that used `node`. Per
         workflow, the probability is capped by the node's staleness (`staleness.py`: how often
         a call reading its agent's cache read cache in the same state, as many calls of its agent
-        and of the workflow after it), and the next use stretched to match (as `effective_time` stretches by 1 / p)."""
+        and of the workflow after it), and the next use stretched to match (as `effective_time`
+        stretches by 1 / p)."""
         scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)

@@ -7,8 +7,9 @@ node):
      (reuse probability < DEAD_P), LRU among them;
   3. the rest by predicted next use (`next_use.py`), farthest first (Belady's rule with
      predictions: expected next-use time, in seconds, from the K-step agent distributions,
-     survival, and per-agent call durations and tool waits learned online; cache is discounted by
-     how often a call reading its agent's cache read cache in the same state, `staleness.py`), ties by LRU.
+     survival, and per-agent call durations and tool waits learned online; cache is discounted
+     by how often a call reading its agent's cache read cache in the same state,
+     `staleness.py`), ties by LRU.
 Admission (`keep_on_evict`, `admission.py`): an evicted node fills free space below; when the
 tiers below are full it goes down only if it outranks what the write would finally push out of
 the cache (the lowest-ranked victim of the cascade), so retired and predicted-dead nodes never
@@ -296,14 +297,13 @@ class PBKVPolicy(Policy):
                 del self.retired[node_id]
         return total
 
-    def _rerank(self, workflow: int | None, moved_classes: list[int], only: int = -1) -> None:
-        """New predictions change the scores of the workflow's nodes (those it used for an
-        agent in the `only` bit mask) and of common nodes whose agents' totals moved; re-rank
-        those that are eviction candidates."""
+    def _rerank(self, workflow: int | None, moved_classes: list[int]) -> None:
+        """New predictions change the scores of the workflow's nodes and of common nodes whose
+        agents' totals moved; re-rank those that are eviction candidates."""
         cache = self.cache
-        if workflow is not None and only:
+        if workflow is not None:
             for node in cache.tree.workflow_nodes.get(workflow, {}).values():
-                if node.alive and node.wf_agents.get(workflow, -1) & only:
+                if node.alive:
                     cache.refresh(node)
         if moved_classes:
             mask = self.scores.agent_bits_of(moved_classes)

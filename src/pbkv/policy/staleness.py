@@ -66,10 +66,10 @@ class Staleness:
     def __init__(self):
         self.blocks: dict[int, dict[int, tuple]] = {}    # workflow -> block -> its group
         self.groups: dict[int, Counter] = {}             # workflow -> group -> blocks not sent since
-        self.sent: dict[int, Counter] = {}               # workflow -> group -> blocks the latest call sent again
+        self.sent: dict[int, Counter] = {}               # workflow -> group -> blocks its latest call resent
         self.seq: dict[int, list[str]] = {}              # workflow -> agent of each call
         self.agent_calls: dict[int, dict[str, int]] = {}  # workflow -> agent -> calls so far
-        self.readers: dict[str, set[str]] = {}           # agent -> other agents sending again blocks it sent first
+        self.readers: dict[str, set[str]] = {}           # agent -> others sending again blocks it sent first
         self.origin: dict[int, dict[int, str]] = {}      # workflow -> block -> agent of its first sender
         self.chances: dict[tuple, list[int]] = {}        # key -> samples by state a * BUCKETS + c
         self.reads: dict[tuple, list[int]] = {}          # key -> read samples by state
