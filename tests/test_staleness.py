@@ -147,3 +147,45 @@ def test_readers_are_named_by_a_block_s_first_sender_not_its_latest():
     s.end(1)
     assert q(s, ("billing", 1), 0, 1) == 1.0         # billing's 20: read at billing's next call only
     assert all(x == 1.0 for x in s._build(("billing", 1)))
+
+
+def test_a_preamble_other_workflows_sent_too_names_no_reader():
+    # the same dialogue, two workflows: the preamble (1, 2) heads every prompt of both, so it is
+    # the framework's, not the router's cache the specialist reads; the router's own block 10,
+    # sent again by billing, still makes billing a reader of the router
+    s = Staleness()
+    for w in (1, 2):
+        s.call(w, "router", [1, 2, 10 * w])
+    s.call(1, "billing", [1, 2, 30])
+    s.call(2, "billing", [1, 2, 40])
+    assert s.readers == {}
+    s.call(2, "billing", [1, 2, 20, 21])
+    assert s.readers == {"router": {"billing"}}
+
+
+def test_a_preamble_is_recognised_after_the_workflow_that_sent_it_ended():
+    s = Staleness()
+    s.call(1, "router", [1, 2, 10])
+    s.end(1)
+    s.call(2, "router", [1, 2, 20])
+    s.call(2, "billing", [1, 2, 30])    # sequential workflows: the preamble is still known shared
+    assert s.readers == {}
+
+
+def test_shared_blocks_memory_is_bounded_oldest_forgotten_first():
+    from pbkv.policy.shared_blocks import SharedBlocks
+    m = SharedBlocks(memory=2)
+    m.sent(1, 100)
+    m.end(1, [100])
+    for b in (1, 2, 3):
+        m.sent(2, b)
+    m.end(2, [1, 2, 3])                  # ended blocks: 100, 1, 2, 3 -> the two latest kept
+    assert list(m.ended) == [2, 3] and m.owner == {}
+    m.sent(3, 100)                       # forgotten: counts as sent by workflow 3 alone
+    m.sent(3, 3)
+    assert not m.is_shared(100) and m.is_shared(3)
+    m.sent(4, 100)
+    m.sent(4, 2)                         # shared: 3, 100, 2 -> the least recently sent (3) goes
+    assert list(m.shared) == [100, 2]
+    m.sent(5, 100)                       # sent again: now the most recent
+    assert list(m.shared) == [2, 100]

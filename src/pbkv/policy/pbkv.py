@@ -16,7 +16,7 @@ the cache (the lowest-ranked victim of the cascade), so retired and predicted-de
 displace anything live, and a live node is not dropped while retired cache sits below.
 Why one rule at every tier: with a host tier under pressure, what the host keeps and drops
 decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
-Prefetch: `conservative_prefetch.py`, ranked by the one-step reuse value (`reuse_score.py`).
+Prefetch: candidates and space in `pbkv_prefetch.py`, the choice in `conservative_prefetch.py`.
 Predictions are refreshed at every call.
 
 Feedback (`pbkv.predict.monitor`): the predictor's next-event accuracy is compared online with a
@@ -33,18 +33,20 @@ prompt token) replaces the prediction made at call start, which had no hidden st
 latest hidden state of each workflow is kept and passed to later predictions of that workflow.
 Predictors without `context_dim` ignore it (they read the call's `context` text instead).
 
-Variants (ablations): `pbkv-retired` (retired first, then LRU), `pbkv-noprefetch`,
-`pbkv-history` (history-only predictor), `pbkv-context` (context-only predictor).
+Variants (ablations, `pbkv_variants.py`): `pbkv-retired` (retired first, then LRU),
+`pbkv-noprefetch`, `pbkv-history` (history-only predictor), `pbkv-context` (context-only
+predictor).
 """
 
 from __future__ import annotations
 
-from pbkv.cache import Node, Tier
-from pbkv.policy import admission, conservative_prefetch
-from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
 import math
 
+from pbkv.cache import Node, Tier
+from pbkv.policy import admission
+from pbkv.policy.base import CallEvent, Policy, PolicyContext, PrefetchRequest
 from pbkv.policy.next_use import NextUse
+from pbkv.policy.pbkv_prefetch import PrefetchCandidates
 from pbkv.policy.reuse_score import ReuseScores
 from pbkv.predict.monitor import END, QualityMonitor
 
@@ -85,8 +87,7 @@ class PBKVPolicy(Policy):
         cfg = getattr(self.predictor, "cfg", None) or getattr(getattr(self.predictor, "inner", None), "cfg", None)
         self.reads_hidden = bool(cfg is not None and cfg.uses_context and cfg.context_dim > 0)
         self.expected: dict[int, tuple[str, dict[str, float]]] = {}  # workflow -> (agent, next event)
-        self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
-        self.offloaded: dict[int, Node] = {}     # nodes evicted below the device (prefetch candidates)
+        self.ahead = PrefetchCandidates(self.scores, self.next_use.stale, self.version)
         self.common: dict[int, Node] = {}        # common nodes seen on matched paths
         self.level = TRUST_STEPS
 
@@ -117,9 +118,7 @@ class PBKVPolicy(Policy):
         return admission.worth_writing(self.cache, node, self.priority)
 
     def on_evict(self, node: Node, src: Tier, dst: Tier | None) -> None:
-        self.retired.pop(node.id, None)
-        if dst is not None and node.alive:
-            self.offloaded[node.id] = node
+        self.ahead.evicted(node, dst)
 
     def _retired(self, node: Node) -> bool:
         return self.monitor.retired_first and self.scores.is_retired(node)
@@ -205,42 +204,14 @@ class PBKVPolicy(Policy):
         self.version.pop(workflow, None)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
-                self.retired[node.id] = node
+                self.ahead.retire(node)
             self.cache.refresh(node)
         self._rerank(None, moved)
 
     def prefetch(self, request: PrefetchRequest) -> list[Node]:
         if not self.use_prefetch or self.monitor.trust < PREFETCH_MIN_TRUST:
             return []
-        space = request.free_tokens + self._retired_device_tokens()
-        if space <= 0 or not self.offloaded:
-            return []
-        candidates = []
-        for node_id, node in list(self.offloaded.items()):
-            if not node.alive or node.tier == Tier.DEVICE:
-                del self.offloaded[node_id]
-            elif node.wf_agents or self.scores.is_common(node):
-                candidates.append((self._one_step(node), node))
-        return conservative_prefetch.plan(candidates, request.budget_tokens, space)
-
-    def _one_step(self, node: Node) -> float:
-        """`scores.one_step` of a node, times its staleness for nodes that are not common (the
-        next call may be its agent's, yet not read this cache: `staleness.py`); memoised on a
-        private node until its workflow's next prediction (prefetch scans every offloaded
-        node at every decode-only batch: policy time)."""
-        if self.scores.is_common(node):
-            return self.scores.one_step(node)
-        stale = self.next_use.stale
-        if len(node.wf_agents) != 1:
-            live = max((stale.live(w, node.blocks[0]) for w in node.wf_agents), default=1.0)
-            return self.scores.one_step(node) * live
-        (w, mask), = node.wf_agents.items()
-        stamp = (w, mask, self.version.get(w))
-        memo = node.policy_data
-        if memo is None or memo[0] != stamp:
-            value = self.scores.one_step(node) * stale.live(w, node.blocks[0])
-            memo = node.policy_data = (stamp, value)
-        return memo[1]
+        return self.ahead.plan(request)
 
     # ---------------------------------------------------------------- feedback
 
@@ -288,15 +259,6 @@ class PBKVPolicy(Policy):
 
     # ---------------------------------------------------------------- bookkeeping
 
-    def _retired_device_tokens(self) -> int:
-        total = 0
-        for node_id, node in list(self.retired.items()):
-            if node.alive and node.tier == Tier.DEVICE and node.lock == 0 and self.scores.is_retired(node):
-                total += node.tokens
-            else:
-                del self.retired[node_id]
-        return total
-
     def _rerank(self, workflow: int | None, moved_classes: list[int]) -> None:
         """New predictions change the scores of the workflow's nodes and of common nodes whose
         agents' totals moved; re-rank those that are eviction candidates."""
@@ -320,26 +282,3 @@ def _prompt_blocks(event: CallEvent) -> list[int]:
     if ids is not None:
         return ids
     return [b for node in event.node.path() for b in node.blocks]
-
-
-class PBKVRetiredPolicy(PBKVPolicy):
-    """Ablation: the lifecycle guardrail alone (retired first, then LRU); no predictor."""
-
-    name = "pbkv-retired"
-    use_scores = False
-    use_prefetch = False
-
-
-class PBKVNoPrefetchPolicy(PBKVPolicy):
-    name = "pbkv-noprefetch"
-    use_prefetch = False
-
-
-class PBKVHistoryPolicy(PBKVPolicy):
-    name = "pbkv-history"
-    variant = "history"
-
-
-class PBKVContextPolicy(PBKVPolicy):
-    name = "pbkv-context"
-    variant = "context"

@@ -34,7 +34,9 @@ Why readers by the block's first sender, not its latest: every agent's prompt st
 framework's shared preamble, so each call sends again blocks the previous call (of any agent)
 sent; by the latest sender every agent read every other's cache (dialogue: the router "read"
 the specialists' conversations), and the calls of agents that never read a cache counted as
-chances for it. `NextUse` reads the same readers (issue 11: one rule, learned from the prompts
+chances for it. For the same reason a block another workflow sent too (the preamble itself:
+`shared_blocks.py`) names no reader: the first sender of a workflow's preamble is whichever agent
+called first (dialogue: the router), and every later call sends it again. `NextUse` reads the same readers (issue 11: one rule, learned from the prompts
 alone; it had a twin learned from the cached paths calls arrived on, which depended on what the
 cache held and grew the same way).
 
@@ -50,6 +52,8 @@ called; hover's summarizer after the verifier). Measured in docs/benchmarks.md, 
 from __future__ import annotations
 
 from collections import Counter
+
+from pbkv.policy.shared_blocks import SharedBlocks
 
 BUCKETS = 8                       # per count: 0, 1, 2, 3, 4-7, 8-15, 16-31, 32+
 
@@ -71,6 +75,7 @@ class Staleness:
         self.agent_calls: dict[int, dict[str, int]] = {}  # workflow -> agent -> calls so far
         self.readers: dict[str, set[str]] = {}           # agent -> others sending again blocks it sent first
         self.origin: dict[int, dict[int, str]] = {}      # workflow -> block -> agent of its first sender
+        self.shared = SharedBlocks()                     # blocks other workflows sent too: not evidence of reading
         self.chances: dict[tuple, list[int]] = {}        # key -> samples by state a * BUCKETS + c
         self.reads: dict[tuple, list[int]] = {}          # key -> read samples by state
         self._tables: dict[tuple, list[float]] = {}      # key -> Q by state (rebuilt after new samples)
@@ -105,9 +110,10 @@ class Staleness:
                 seen[b] = once
                 groups[once] += 1
                 origin[b] = agent
+                self.shared.sent(workflow, b)
             elif last[0] != now:                 # not this call's own block: read again
                 first = origin[b]
-                if first != agent:
+                if first != agent and not self.shared.is_shared(b):
                     self.readers.setdefault(first, set()).add(agent)
                 groups[last] -= 1
                 if not groups[last]:
@@ -142,6 +148,7 @@ class Staleness:
         """The workflow ended: count its last call, forget its blocks."""
         if self.seq.get(workflow):
             self._close(workflow)
+        self.shared.end(workflow, self.blocks.get(workflow, ()))
         for table in (self.seq, self.agent_calls, self.blocks, self.groups, self.sent, self.origin):
             table.pop(workflow, None)
 

@@ -1,0 +1,76 @@
+"""What pbkv may load back ahead of use, and into which space.
+
+Candidates: nodes evicted below the device (`offloaded`) that an active workflow tagged or that
+are common, valued by `value`: the one-step reuse value (`reuse_score.py`) times, for a private
+node, its staleness (`staleness.py`: the next call may be its agent's yet not read this cache).
+Space: free device tokens plus retired device nodes (`retired`: cache private to workflows that
+all ended), so a prefetch never displaces cache an active workflow may use; the choice within
+that space and the link's budget is `conservative_prefetch.plan`.
+
+Invariant: `retired` and `offloaded` only ever hold nodes that were in them when last checked;
+dropped, reloaded or no longer retired nodes are removed lazily, when a scan meets them.
+"""
+
+from __future__ import annotations
+
+from pbkv.cache import Node, Tier
+from pbkv.policy import conservative_prefetch
+from pbkv.policy.base import PrefetchRequest
+from pbkv.policy.reuse_score import ReuseScores
+from pbkv.policy.staleness import Staleness
+
+
+class PrefetchCandidates:
+    def __init__(self, scores: ReuseScores, stale: Staleness, version: dict[int, int]):
+        self.scores, self.stale = scores, stale
+        self.version = version                   # workflow -> count of its predictions (memo stamp)
+        self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
+        self.offloaded: dict[int, Node] = {}     # nodes evicted below the device
+
+    def evicted(self, node: Node, dst: Tier | None) -> None:
+        self.retired.pop(node.id, None)
+        if dst is not None and node.alive:
+            self.offloaded[node.id] = node
+
+    def retire(self, node: Node) -> None:
+        """`node`, on the device, is now private to ended workflows only."""
+        self.retired[node.id] = node
+
+    def plan(self, request: PrefetchRequest) -> list[Node]:
+        """Nodes to load now, best value first, within free + retired space and the budget."""
+        space = request.free_tokens + self.retired_device_tokens()
+        if space <= 0 or not self.offloaded:
+            return []
+        candidates = []
+        for node_id, node in list(self.offloaded.items()):
+            if not node.alive or node.tier == Tier.DEVICE:
+                del self.offloaded[node_id]
+            elif node.wf_agents or self.scores.is_common(node):
+                candidates.append((self.value(node), node))
+        return conservative_prefetch.plan(candidates, request.budget_tokens, space)
+
+    def value(self, node: Node) -> float:
+        """`scores.one_step` of a node, times its staleness for nodes that are not common;
+        memoised on a private node until its workflow's next prediction (the scan runs at every
+        decode-only batch: policy time)."""
+        if self.scores.is_common(node):
+            return self.scores.one_step(node)
+        if len(node.wf_agents) != 1:
+            live = max((self.stale.live(w, node.blocks[0]) for w in node.wf_agents), default=1.0)
+            return self.scores.one_step(node) * live
+        (w, mask), = node.wf_agents.items()
+        stamp = (w, mask, self.version.get(w))
+        memo = node.policy_data
+        if memo is None or memo[0] != stamp:
+            value = self.scores.one_step(node) * self.stale.live(w, node.blocks[0])
+            memo = node.policy_data = (stamp, value)
+        return memo[1]
+
+    def retired_device_tokens(self) -> int:
+        total = 0
+        for node_id, node in list(self.retired.items()):
+            if node.alive and node.tier == Tier.DEVICE and node.lock == 0 and self.scores.is_retired(node):
+                total += node.tokens
+            else:
+                del self.retired[node_id]
+        return total
