@@ -3,7 +3,8 @@ capacities, atomic eviction in a policy's order and two-phase moves. No policy l
 
 from pbkv.cache.config import CacheConfig, CapacityDefaults
 from pbkv.cache.node import Node, Tier
-from pbkv.cache.tiered import Capacities, CacheStats, EvictionRules, Move, Storage, TieredCache
+from pbkv.cache.parts import Capacities, CacheStats, EvictionRules, Move, Storage
+from pbkv.cache.tiered import TieredCache
 from pbkv.cache.tree import RadixTree, TreeError
 
 __all__ = ["Node", "Tier", "RadixTree", "TreeError", "TieredCache", "Capacities", "CacheStats",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pbkv.cache.tiered import Capacities
+from pbkv.cache.parts import Capacities
 
 
 @dataclass(frozen=True)
