@@ -55,3 +55,26 @@ def test_a_workflow_follows_its_first_call_before_any_report():
     o.routed("r1", RouteRequest("other", "a", (7,), 16))
     second = RouteRequest("w", "a", (1, 2, 3, 4), 64)
     assert router.choose(second, [o.view(r, {}, 0) for r in ("r1", "r0")]).replica == "r0"
+
+
+def test_a_request_without_reuse_probability_takes_the_one_its_home_replica_reported():
+    from pbkv.route import RouterConfig
+    from pbkv.scale.adapter import with_reported_reuse
+    # as test_route's stranded-KV case, but the probability comes from b's report, not the client
+    cfg = RouterConfig(prefill_s_per_token=1e-3, transfer_s_per_token=1e-3, transfer_latency_s=0.01,
+                       queue_s_per_request=0.5)
+    o = Overlay()
+    a = ReplicaSnapshot("a").to_stats() | {"seq": 1}
+    b = ReplicaSnapshot("b", load=1, workflows={"w": 1000}, reuse={"w": 0.2}).to_stats() | {"seq": 1}
+    assert ReplicaSnapshot.from_stats(b).reuse == {"w": 0.2}
+    views = [o.view("a", a, None), o.view("b", b, None)]
+    req = RouteRequest("w", "x", (1, 2, 3, 4, 5), 80)
+    assert with_reported_reuse(req, views).reuse_probability == 0.2
+    assert make_router("pbkv", cfg).choose(req, views).replica == "b"           # unknown: counts as 1
+    assert make_router("pbkv", cfg).choose(with_reported_reuse(req, views), views).replica == "a"
+    sent = RouteRequest("w", "x", (1,), 16, reuse_probability=0.9)
+    assert with_reported_reuse(sent, views) is sent                              # the client's own wins
+    other = RouteRequest("v", "x", (1,), 16)
+    assert with_reported_reuse(other, views) is other                            # no replica holds v
+    b_silent = ReplicaSnapshot("b", workflows={"w": 1000}).to_stats()
+    assert with_reported_reuse(req, [o.view("b2", b_silent, None)]) is req       # nothing reported

@@ -116,6 +116,10 @@ def test_a_replica_reports_the_blocks_it_holds_per_tier_and_its_workflows():
     assert stats["tiers"] == {"device": ids[:2], "host": ids[2:], "disk": []}
     assert sorted(stats["blocks"]) == sorted(ids) and stats["workflows"] == {"wf": 8}
     assert (stats["id"], stats["load"], stats["block_size"]) == ("r0", 3.0, 4)
+    assert stats["reuse"] == {}                            # no policy: nothing predicted
+    policy = type("P", (), {"reuse_probability": lambda self, w: 0.25 if w == run.workflow else None})()
+    engine.policy = policy
+    assert cache_stats(engine, table, 3, "r0")["reuse"] == {"wf": 0.25}
 
 
 def test_one_replica_serves_in_process_without_importing_ray():

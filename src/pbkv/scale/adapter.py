@@ -12,13 +12,15 @@ Blocks a replica evicted linger for at most those two reports. The overlay is al
 (`max_blocks` per replica; when full it is cleared, costing routing quality until the next report).
 
 Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
-optionally `output_tokens`, `reuse_probability`, `next_prefix`); `route_request` finds that dict
+optionally `output_tokens`, `reuse_probability`, `next_prefix`; without a `reuse_probability`,
+`with_reported_reuse` takes the one the workflow's home replica reported); `route_request` finds that dict
 among a call's arguments and returns None for anything else (routed as plain load balancing).
 `hinted_call` also reads Ray Serve LLM's OpenAI request objects (`pbkv.scale.llm_hints`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -39,6 +41,20 @@ def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest
                                 reuse_probability=value.get("reuse_probability"),
                                 next_prefix=tuple(int(h) for h in value.get("next_prefix", ())))
     return None
+
+
+def with_reported_reuse(request: RouteRequest, views) -> RouteRequest:
+    """`request`, when its client sent no `reuse_probability`, with the one the workflow's home
+    replica (the view holding most of its KV) last reported: that replica's policy predicts it
+    from the workflow's calls, which a client seldom can. Unchanged when no replica reported one
+    (the router then assumes 1)."""
+    if request.reuse_probability is not None:
+        return request
+    home = max(views, key=lambda v: v.workflow_tokens(request.workflow_id), default=None)
+    if home is None or home.workflow_tokens(request.workflow_id) <= 0:
+        return request
+    p = getattr(home, "reuse_probability", lambda _: None)(request.workflow_id)
+    return request if p is None else dataclasses.replace(request, reuse_probability=p)
 
 
 def hinted_call(args: Iterable, kwargs: Mapping | None = None, chunks: TextChunks = TextChunks()) -> LLMCall | None:
@@ -73,6 +89,9 @@ class MergedView:
 
     def workflow_tokens(self, workflow_id: str) -> int:
         return max([self.base.workflow_tokens(workflow_id)] + [g.workflows.get(workflow_id, 0) for g in self.routed])
+
+    def reuse_probability(self, workflow_id: str) -> float | None:
+        return self.base.reuse_probability(workflow_id)
 
     @property
     def workflow_count(self) -> int:

@@ -34,7 +34,7 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import Overlay, hinted_call, register_router
+from pbkv.scale.adapter import Overlay, hinted_call, register_router, with_reported_reuse
 from pbkv.scale.llm_hints import TextChunks
 
 
@@ -66,7 +66,8 @@ class PBKVRequestRouter(RequestRouter):
             return [candidate_replicas]
         start = time.perf_counter()
         candidate_replicas = _without_avoided(candidate_replicas, pending_request)
-        decision = self.pbkv_router.choose(call.route, self._views(candidate_replicas))
+        views = self._views(candidate_replicas)
+        decision = self.pbkv_router.choose(with_reported_reuse(call.route, views), views)
         # remember the choice now, not only once Ray has sent the call: calls that arrive together
         # are chosen before any is sent, and would all see the same views and pick the same replica
         self.overlay.routed(decision.replica, call.route)

@@ -9,8 +9,8 @@ text pieces (`str`), then exactly one `Done`, the same events `EngineWorker` giv
 Closing the stream early (the client went away, or Ray cancelled it) cancels the job.
 
 `record_routing_stats` reports the replica's cache for the router: `ReplicaSnapshot.to_stats()`
-(every block id it caches in any tier, each live workflow's tokens of KV, its load = jobs in
-flight) plus `tiers` (block ids per tier) and a `seq` that changes with every report; it is
+(every block id it caches in any tier, each live workflow's tokens of KV and, when its policy
+predicts one, the probability the workflow calls again (`reuse`), its load = jobs in flight) plus `tiers` (block ids per tier) and a `seq` that changes with every report; it is
 taken on the engine thread, between two engine steps, like /metrics.
 
 Folders (`replica_config`): every replica reads and writes the same `--shared-dir` (that is the
@@ -48,13 +48,17 @@ def cache_stats(engine, table, load: float, replica_id: str) -> dict:
     tiers: dict[str, list[int]] = {name: [] for name, _ in TIERS}
     for node in engine.tree.iter_nodes():
         tiers[names[node.tier]].extend(node.blocks)
-    workflows = {}
+    workflows, reuse = {}, {}
+    policy = getattr(engine, "policy", None)
     for run in table.live.values():
         if run.workflow_id is not None:
             nodes = engine.tree.workflow_nodes.get(run.workflow, {})
             workflows[run.workflow_id] = sum(n.tokens for n in nodes.values() if n.alive)
+            p = policy.reuse_probability(run.workflow) if policy is not None else None
+            if p is not None:
+                reuse[run.workflow_id] = float(p)
     blocks = frozenset(b for ids in tiers.values() for b in ids)
-    snap = ReplicaSnapshot(replica_id, float(load), blocks, workflows, engine.tree.block_size)
+    snap = ReplicaSnapshot(replica_id, float(load), blocks, workflows, engine.tree.block_size, reuse)
     return snap.to_stats() | {"tiers": tiers}
 
 
