@@ -7,8 +7,9 @@ Space: free device tokens plus retired device nodes (`retired`: cache private to
 all ended), so a prefetch never displaces cache an active workflow may use; the choice within
 that space and the link's budget is `conservative_prefetch.plan`.
 
-Invariant: `retired` and `offloaded` only ever hold nodes that were in them when last checked;
-dropped, reloaded or no longer retired nodes are removed lazily, when a scan meets them.
+Invariant: `plan` counts only nodes that qualify when it runs: a node in `retired` was a retired
+device node when added and one in `offloaded` was evicted below the device; each is re-checked
+when a scan meets it (dropped, loaded back, locked or no longer retired nodes are removed then).
 """
 
 from __future__ import annotations
