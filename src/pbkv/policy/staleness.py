@@ -36,9 +36,9 @@ sent; by the latest sender every agent read every other's cache (dialogue: the r
 the specialists' conversations), and the calls of agents that never read a cache counted as
 chances for it. For the same reason a block another workflow sent too (the preamble itself:
 `shared_blocks.py`) names no reader: the first sender of a workflow's preamble is whichever agent
-called first (dialogue: the router), and every later call sends it again. `NextUse` reads the same readers (issue 11: one rule, learned from the prompts
-alone; it had a twin learned from the cached paths calls arrived on, which depended on what the
-cache held and grew the same way).
+called first (dialogue: the router), and every later call sends it again. `NextUse` reads the
+same readers (issue 11: one rule, learned from the prompts alone; it had a twin learned from the
+cached paths calls arrived on, which depended on what the cache held and grew the same way).
 
 Why per reader call, not "ever read again" (the previous rule, which counted a state as visited
 when the block was read, or when its workflow ended): (1) evidence comes at every call, not at

@@ -128,6 +128,17 @@ def argmin(replicas: Sequence[ReplicaView], key) -> ReplicaView:
     return min(enumerate(replicas), key=lambda iv: (key(iv[1]), iv[1].workflow_count, iv[0]))[1]
 
 
+def home(request: RouteRequest, replicas: Sequence[ReplicaView]) -> tuple[ReplicaView | None, int]:
+    """The replica holding most of the request's workflow's KV (the earliest of equals) and how
+    many tokens it holds; (None, 0) when no replica holds any."""
+    best, most = None, 0
+    for v in replicas:
+        t = v.workflow_tokens(request.workflow_id)
+        if t > most:
+            best, most = v, t
+    return best, most
+
+
 def cached(view: ReplicaView, request: RouteRequest) -> int:
     """Reusable prompt tokens on `view` (a prompt's last token is always computed, as engines do)."""
     return max(0, min(view.cached_prefix_tokens(request.hash_ids), request.input_tokens - 1))

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, require
+from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, home, require
 
 
 NEW_WORKFLOW_SLACK = 1   # a new workflow may go to a replica holding this many more workflows than the fewest
@@ -66,9 +66,10 @@ class PBKVRouter(Router):
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView]) -> RouteDecision:
         require(replicas)
         local = {v.id: cached(v, request) for v in replicas}
-        home, home_tokens = self._home(request, replicas)
-        est = {v.id: self._estimate(request, v, replicas, local, home, home_tokens) for v in replicas}
-        if home is None:   # a new workflow: fewest workflows held, unless its prefix lives elsewhere (docstring)
+        home_view, home_tokens = home(request, replicas)
+        home_id = None if home_view is None else home_view.id
+        est = {v.id: self._estimate(request, v, replicas, local, home_id, home_tokens) for v in replicas}
+        if home_id is None:   # a new workflow: fewest workflows held, unless its prefix lives elsewhere (docstring)
             view = argmin(replicas, self._new_workflow_key(replicas, local, est))
         else:
             view = argmin(replicas, lambda v: est[v.id].seconds)
@@ -107,15 +108,6 @@ class PBKVRouter(Router):
             near = v.workflow_count == fewest or (v.workflow_count <= fewest + NEW_WORKFLOW_SLACK and local[v.id] > reuse)
             return (0 if near else v.workflow_count, est[v.id].seconds)
         return key
-
-    @staticmethod
-    def _home(request, replicas) -> tuple[str | None, int]:
-        home, most = None, 0
-        for v in replicas:
-            t = v.workflow_tokens(request.workflow_id)
-            if t > most:
-                home, most = v.id, t
-        return home, most
 
     def _warm(self, request, view) -> tuple[int, ...]:
         if not request.next_prefix:

@@ -2,8 +2,9 @@
 
 A snapshot holds the set of cached block ids and the per-workflow token counts a replica last
 reported, and per workflow the replica's predicted probability that the workflow calls again
-(`reuse`: its policy's `reuse_probability`, when it has one). Block ids are chained, so the cached prefix of a prompt is its longest run of leading
-ids that are all present; the last block may be partial, hence `input_tokens` caps the count.
+(`reuse`: its policy's `reuse_probability`, when it has one). Block ids are chained, so the
+cached prefix of a prompt is its longest run of leading ids that are all present; the last block
+may be partial, hence `input_tokens` caps the count.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ Blocks a replica evicted linger for at most those two reports. The overlay is al
 
 Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
 optionally `output_tokens`, `reuse_probability`, `next_prefix`; without a `reuse_probability`,
-`with_reported_reuse` takes the one the workflow's home replica reported); `route_request` finds that dict
-among a call's arguments and returns None for anything else (routed as plain load balancing).
+`with_reported_reuse` takes the one the workflow's home replica reported); `route_request` finds
+that dict among a call's arguments and returns None for anything else (routed as plain load
+balancing).
 `hinted_call` also reads Ray Serve LLM's OpenAI request objects (`pbkv.scale.llm_hints`).
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from pbkv.route import ReplicaSnapshot, RouteRequest
+from pbkv.route.base import home
 from pbkv.scale.llm_hints import LLMCall, TextChunks, find_llm_call
 
 
@@ -43,17 +45,15 @@ def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest
     return None
 
 
-def with_reported_reuse(request: RouteRequest, views) -> RouteRequest:
+def with_reported_reuse(request: RouteRequest, views: "list[MergedView]") -> RouteRequest:
     """`request`, when its client sent no `reuse_probability`, with the one the workflow's home
     replica (the view holding most of its KV) last reported: that replica's policy predicts it
     from the workflow's calls, which a client seldom can. Unchanged when no replica reported one
     (the router then assumes 1)."""
     if request.reuse_probability is not None:
         return request
-    home = max(views, key=lambda v: v.workflow_tokens(request.workflow_id), default=None)
-    if home is None or home.workflow_tokens(request.workflow_id) <= 0:
-        return request
-    p = getattr(home, "reuse_probability", lambda _: None)(request.workflow_id)
+    view, _ = home(request, views)
+    p = None if view is None else view.reuse_probability(request.workflow_id)
     return request if p is None else dataclasses.replace(request, reuse_probability=p)
 
 
