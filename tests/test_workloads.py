@@ -13,7 +13,7 @@ import yaml
 from pbkv.trace.io import call_to_dict, read_trace, validate, write_trace
 from pbkv.workloads import (ExprError, SpecError, WorkflowSpec, builtin_names, compile_expr, generate, load_spec,
                             parse_spec, runs)
-from pbkv.workloads.spec import BUILTIN_DIR
+from pbkv.workloads.spec_files import BUILTIN_DIR
 
 BUILTINS = ["dialogue", "finance", "hover", "swe"]
 

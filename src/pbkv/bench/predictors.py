@@ -98,7 +98,7 @@ def code_version() -> str:
 def cache_folder(source, variant: str, psrc: PredictorSource) -> Path:
     """The cache entry of a generated workload's predictor: keyed by the workload's spec (its
     text for a spec file), training seed and size, variant, horizon, epochs and code version."""
-    from pbkv.workloads.spec import BUILTIN_DIR
+    from pbkv.workloads.spec_files import BUILTIN_DIR
     spec = Path(source.spec)
     text = (spec if spec.suffix in (".yaml", ".yml", ".json") else BUILTIN_DIR / f"{source.spec}.yaml").read_bytes()
     spec_hash = hashlib.sha256(text).hexdigest()[:8]

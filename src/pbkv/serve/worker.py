@@ -1,8 +1,8 @@
 """The engine thread: one FCFS command queue in, per-job asyncio queues out.
 
 The event loop never touches the engine, the cache, the policy or the workflow table: it puts
-commands (`Submit`, `Cancel`, `Invoke`, `Stop`) on a thread-safe queue, and the engine thread
-answers through `loop.call_soon_threadsafe` into each job's `asyncio.Queue` (or a
+commands (`commands.py`: `Submit`, `Cancel`, `Invoke`, `Stop`) on a thread-safe queue, and the
+engine thread answers through `loop.call_soon_threadsafe` into each job's `asyncio.Queue` (or a
 `concurrent.futures.Future`). So a slow forward pass never blocks the event loop, and no lock
 guards engine state: one thread owns it.
 
@@ -30,11 +30,12 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from pbkv.engine.hf import CANCELLED, ERROR, HFEngine, Sampling, Stuck, block_hashes
 from pbkv.engine.request import Request
+from pbkv.serve.commands import Cancel, Invoke, Stop, Submit
 from pbkv.serve.jobs import Done, Job
 from pbkv.serve.metrics import Metrics
 from pbkv.serve.recorder import TraceRecorder
@@ -43,27 +44,6 @@ from pbkv.serve.workflows import Run, WorkflowTable
 from pbkv.trace import Call
 
 log = logging.getLogger("pbkv.serve")
-
-
-@dataclass
-class Submit:
-    job: Job
-
-
-@dataclass
-class Cancel:
-    job: Job
-
-
-@dataclass
-class Invoke:
-    fn: Callable[[], object]
-    future: Future
-
-
-@dataclass
-class Stop:
-    pass
 
 
 class EngineWorker:

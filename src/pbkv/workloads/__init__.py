@@ -9,7 +9,8 @@ agent), finance (CrewAI static pipeline), dialogue (routed multi-turn support ch
 
 from pbkv.workloads.expr import Expr, ExprError, compile_expr
 from pbkv.workloads.generate import Run, generate, runs
-from pbkv.workloads.spec import SpecError, WorkflowSpec, builtin_names, load_spec, parse_spec
+from pbkv.workloads.spec import WorkflowSpec
+from pbkv.workloads.spec_files import SpecError, builtin_names, load_spec, parse_spec
 
 __all__ = ["WorkflowSpec", "load_spec", "parse_spec", "builtin_names", "generate", "runs", "Run",
            "SpecError", "Expr", "ExprError", "compile_expr"]

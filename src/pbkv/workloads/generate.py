@@ -40,7 +40,8 @@ from typing import Any, Iterator
 
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.workloads.expr import Expr, ExprError
-from pbkv.workloads.spec import END, START, VarSpec, WorkflowSpec, load_spec
+from pbkv.workloads.spec import END, START, VarSpec, WorkflowSpec
+from pbkv.workloads.spec_files import load_spec
 
 
 @dataclass

@@ -16,32 +16,21 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
 - every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
   0), or an expression that parses and reads only known names (`task.*`, `turn.*`, `visits.*` with
   existing keys, `step`, `last`, `min`, `max`).
-Errors read "FILE: field.path[i].name: what is wrong (got VALUE)", one line per problem.
+Loading (built-in names, files, error messages "FILE: field.path[i].name: what is wrong (got VALUE)"):
+`spec_files.py`.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Annotated, Any
 
-import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, \
-    model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from pbkv.workloads.expr import Expr, ExprError, compile_expr
 
 END, START = "END", "START"
 REST = "rest"  # p of the remaining probability: max(0, 1 - sum of the list's other p's)
-BUILTIN_DIR = Path(__file__).parent / "builtin"
-SUFFIXES = (".yaml", ".yml", ".json")
-
-
-class SpecError(ValueError):
-    """A spec file or dict is invalid; the message names the file, the field path and the value."""
-
-
 # ---------------------------------------------------------------- field types
 
 def _number(v: Any) -> bool:
@@ -266,87 +255,3 @@ class WorkflowSpec(_Model):
         for a in self.agents:
             out[a] = targets(self.flow.transitions.get(a, []))
         return out
-
-
-# ---------------------------------------------------------------- loading
-
-def builtin_names() -> list[str]:
-    """Names of the built-in specs (`builtin/*.yaml`)."""
-    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
-
-
-def _path(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
-
-
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _format(source: str, err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        msg = e["msg"].removeprefix("Value error, ")
-        if not e["loc"]:  # cross-reference errors: already "path: message" lines
-            lines += [f"{source}: {m}" for m in msg.splitlines()]
-        elif e["type"] == "missing":
-            lines.append(f"{source}: {_path(e['loc'])}: required field is missing")
-        elif e["type"] == "extra_forbidden":
-            lines.append(f"{source}: {_path(e['loc'])}: unknown field (check the spelling)")
-        else:
-            lines.append(f"{source}: {_path(e['loc'])}: {msg} (got {_show(e['input'])})")
-    return "\n".join(lines)
-
-
-def parse_spec(data: Any, source: str = "<spec>") -> WorkflowSpec:
-    """Validate a dict (parsed YAML/JSON) into a `WorkflowSpec`; errors name `source` and field paths."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return WorkflowSpec.model_validate(data)
-    except ValidationError as e:
-        raise SpecError(_format(source, e)) from None
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a repeated key (plain YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def load_spec(name_or_path: str | Path) -> WorkflowSpec:
-    """Load a built-in spec by name (`hover`) or a spec file (.yaml, .yml or .json)."""
-    text = str(name_or_path)
-    if isinstance(name_or_path, str) and text in builtin_names():
-        path, source = BUILTIN_DIR / f"{text}.yaml", f"{text}.yaml"
-    else:
-        path, source = Path(name_or_path), text
-        if path.suffix.lower() not in SUFFIXES:
-            raise SpecError(f"{text}: not a built-in workload ({', '.join(builtin_names())}) "
-                            f"and not a {'/'.join(SUFFIXES)} file")
-        if not path.is_file():
-            raise SpecError(f"{text}: no such spec file")
-    try:
-        raw = path.read_text(encoding="utf-8")
-        data = json.loads(raw) if path.suffix.lower() == ".json" else yaml.load(raw, Loader=_UniqueKeyLoader)
-    except json.JSONDecodeError as e:
-        raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark else source
-        raise SpecError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
-    return parse_spec(data, source)

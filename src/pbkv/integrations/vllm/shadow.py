@@ -19,7 +19,7 @@ Invariants:
   then saves (after it). A node whose save is in the current plan stays locked until the next
   plan is built, so it is never moved or dropped before its data exists;
 - a running request holds a lock on its cached path (vLLM holds those blocks too);
-- every tier change the tree records becomes a worker op (`_Ops` is the tree's `Storage`).
+- every tier change the tree records becomes a worker op (`plan.PlanOps` is the tree's `Storage`).
 Requests without hints are workflows of their own (see `hints.py`).
 """
 
@@ -30,40 +30,8 @@ from dataclasses import dataclass, field
 
 from pbkv.cache import Capacities, Node, RadixTree, Tier, TieredCache
 from pbkv.integrations.vllm.hints import Hints
+from pbkv.integrations.vllm.plan import Plan, PlanOps, Stats
 from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest, make_policy
-
-
-@dataclass
-class Plan:
-    """What the worker does in one step. Keys are ints; block ids index vLLM's paged cache."""
-
-    moves: list[tuple[str, int]] = field(default_factory=list)   # ("disk"|"host"|"drop", key)
-    loads: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), before the forward
-    saves: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), after the forward
-    shared_loads: list[tuple[bytes, int]] = field(default_factory=list)   # (full block hash, block id)
-    shared_saves: list[tuple[bytes, int]] = field(default_factory=list)   # (full block hash, block id)
-
-    def __bool__(self) -> bool:
-        return bool(self.moves or self.loads or self.saves or self.shared_loads or self.shared_saves)
-
-
-@dataclass
-class Stats:
-    """Token counters since start (prompt tokens, by where their KV came from)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    gpu_hit_tokens: int = 0      # vLLM's own prefix cache
-    host_hit_tokens: int = 0     # loaded from the connector's RAM
-    disk_hit_tokens: int = 0     # loaded from the connector's disk files
-    shared_hit_tokens: int = 0   # loaded from the directory shared with other instances
-    saved_tokens: int = 0
-    gpu_demoted_blocks: int = 0  # blocks moved to the head of vLLM's free queue (gpu_pool.py)
-
-    @property
-    def computed_tokens(self) -> int:
-        return (self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens - self.disk_hit_tokens
-                - self.shared_hit_tokens)
 
 
 @dataclass
@@ -83,30 +51,6 @@ class _Req:
     shared_saved: int = 0                  # leading blocks already in the shared tier or handed to it
 
 
-class _Ops:
-    """The tree's `Storage`: turns tier changes into worker ops."""
-
-    def __init__(self, plan_of):
-        self.plan_of = plan_of
-        self.on_device_evict = None    # callable(keys) for blocks leaving pbkv's DEVICE tier
-
-    def moved(self, node: Node, src: Tier, dst: Tier) -> None:
-        if dst == Tier.DISK:
-            self.plan_of().moves.extend(("disk", k) for k in node.blocks)
-        elif src == Tier.DISK:   # loads read RAM or disk, but DEVICE/HOST nodes live in RAM
-            self.plan_of().moves.extend(("host", k) for k in node.blocks)
-        if src == Tier.DEVICE and self.on_device_evict is not None:
-            self.on_device_evict(node.blocks)
-
-    def split(self, upper: Node, lower: Node) -> None:
-        pass   # data is kept per block: a split changes nothing on the worker
-
-    def dropped(self, node: Node) -> None:
-        if node.tier == Tier.DEVICE and self.on_device_evict is not None:
-            self.on_device_evict(node.blocks)
-        self.plan_of().moves.extend(("drop", k) for k in node.blocks)
-
-
 class Shadow:
     """pbkv's cache spine for one vLLM scheduler. See the module docstring."""
 
@@ -117,7 +61,7 @@ class Shadow:
         self.clock = clock
         ctx = PolicyContext(block_size=block_size, predictors=predictors or {})
         self.policy = make_policy(policy, ctx)
-        self.ops = _Ops(lambda: self.plan)
+        self.ops = PlanOps(lambda: self.plan)
         self.cache = TieredCache(RadixTree(block_size), capacities, self.policy, storage=self.ops)
         self.tree = self.cache.tree
         self.policy.bind(self.cache, clock)

@@ -1,0 +1,106 @@
+"""Spec files: load a workflow spec from a built-in name, a YAML or JSON file, or a dict.
+
+Every problem becomes one `SpecError` whose lines read "FILE: field.path[i].name: what is wrong
+(got VALUE)" (a YAML or JSON syntax error: "FILE:LINE: ..."); a repeated YAML key is an error,
+not silently the last one. What a valid spec is: `spec.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from pbkv.workloads.spec import WorkflowSpec
+
+BUILTIN_DIR = Path(__file__).parent / "builtin"
+SUFFIXES = (".yaml", ".yml", ".json")
+
+
+class SpecError(ValueError):
+    """A spec file or dict is invalid; the message names the file, the field path and the value."""
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in specs (`builtin/*.yaml`)."""
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
+
+
+def _path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _format(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if not e["loc"]:  # cross-reference errors: already "path: message" lines
+            lines += [f"{source}: {m}" for m in msg.splitlines()]
+        elif e["type"] == "missing":
+            lines.append(f"{source}: {_path(e['loc'])}: required field is missing")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{source}: {_path(e['loc'])}: unknown field (check the spelling)")
+        else:
+            lines.append(f"{source}: {_path(e['loc'])}: {msg} (got {_show(e['input'])})")
+    return "\n".join(lines)
+
+
+def parse_spec(data: Any, source: str = "<spec>") -> WorkflowSpec:
+    """Validate a dict (parsed YAML/JSON) into a `WorkflowSpec`; errors name `source` and field paths."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return WorkflowSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(_format(source, e)) from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a repeated key (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_spec(name_or_path: str | Path) -> WorkflowSpec:
+    """Load a built-in spec by name (`hover`) or a spec file (.yaml, .yml or .json)."""
+    text = str(name_or_path)
+    if isinstance(name_or_path, str) and text in builtin_names():
+        path, source = BUILTIN_DIR / f"{text}.yaml", f"{text}.yaml"
+    else:
+        path, source = Path(name_or_path), text
+        if path.suffix.lower() not in SUFFIXES:
+            raise SpecError(f"{text}: not a built-in workload ({', '.join(builtin_names())}) "
+                            f"and not a {'/'.join(SUFFIXES)} file")
+        if not path.is_file():
+            raise SpecError(f"{text}: no such spec file")
+    try:
+        raw = path.read_text(encoding="utf-8")
+        data = json.loads(raw) if path.suffix.lower() == ".json" else yaml.load(raw, Loader=_UniqueKeyLoader)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise SpecError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    return parse_spec(data, source)
