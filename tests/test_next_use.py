@@ -124,7 +124,7 @@ def test_readers_are_learned_from_the_blocks_calls_send_again():
     pol.on_workflow_start(1, "w1")
     call(cache, pol, "Ca", 1.0, 1, "a", 0, context="w1")
     call(cache, pol, "Ce", 2.0, 1, "c", 1, context="w1")   # sends "C" again: a's call sent it first
-    assert pol.next_use.stale.readers == {"a": {"c"}}
+    assert pol.next_use.stale.readers.by_agent == {"a": {"c"}}
     # one conversation: a's cache ("Ca") is read by the next call, of a (PLAN: a next) or c
     assert pol.next_use.of(cache.tree.match(ids("Ca"))[0])[1] == 1.0
 

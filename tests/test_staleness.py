@@ -31,7 +31,7 @@ def test_a_call_is_a_chance_for_the_blocks_of_agents_whose_cache_it_reads():
     assert q(s, ("p", 1), 1, 1) == pytest.approx(1 / 2)   # 4 not
     assert q(s, ("p", 1), 2, 2) == 1.0                    # no chance in that state
     assert all(x == 1.0 for x in s._build(("c", 1)))
-    assert s.readers == {}                   # p sent again only blocks p first sent: no other reader
+    assert s.readers.by_agent == {}                   # p sent again only blocks p first sent: no other reader
     assert len(s._build(("p", 1))) == BUCKETS * BUCKETS
     s.call(2, "p", [1, 2, 3])
     s.call(2, "p", [7])
@@ -49,12 +49,13 @@ def test_a_call_is_a_chance_for_the_blocks_of_agents_whose_cache_it_reads():
 def test_a_partner_that_reads_an_agents_cache_makes_its_calls_chances():
     s = Staleness()
     for w in (1, 2):
-        s.call(w, "p", [1, 5])       # call 0
-        s.call(w, "r", [30])         # call 1
-        s.call(w, "q", [1, 2])       # call 2: q extends p's conversation (1); p's tail 5 is not sent again
-        s.call(w, "q", [40])         # call 3: q's call, a chance for 5 again
+        o = 100 * w                  # each workflow its own blocks (one both sent would be a preamble)
+        s.call(w, "p", [o + 1, o + 5])   # call 0
+        s.call(w, "r", [o + 30])         # call 1
+        s.call(w, "q", [o + 1, o + 2])   # call 2: q extends p's conversation (1); p's tail 5 is not sent again
+        s.call(w, "q", [o + 40])         # call 3: q's call, a chance for 5 again
         s.end(w)
-    assert s.readers == {"p": {"q"}}
+    assert s.readers.by_agent == {"p": {"q"}}
     assert q(s, ("p", 1), 0, 1) == pytest.approx(3 / 5)   # 1 and 5 at call 2: 1 read
     assert q(s, ("p", 1), 0, 2) == pytest.approx(1 / 3)   # 5 at call 3: not read
     assert all(x == 1.0 for x in s._build(("r", 1)))       # no call reads r's cache: no chances
@@ -142,7 +143,7 @@ def test_readers_are_named_by_a_block_s_first_sender_not_its_latest():
     s.call(1, "billing", [1, 2, 20])
     s.call(1, "router", [1, 2, 10, 11])
     s.call(1, "billing", [1, 2, 20, 21])
-    assert s.readers == {"router": {"billing"}}      # billing sends the preamble the router sent first
+    assert s.readers.by_agent == {"router": {"billing"}}      # billing sends the preamble the router sent first
     s.call(1, "router", [1, 2, 10, 11, 12])          # not a chance for billing's conversation
     s.end(1)
     assert q(s, ("billing", 1), 0, 1) == 1.0         # billing's 20: read at billing's next call only
@@ -158,9 +159,9 @@ def test_a_preamble_other_workflows_sent_too_names_no_reader():
         s.call(w, "router", [1, 2, 10 * w])
     s.call(1, "billing", [1, 2, 30])
     s.call(2, "billing", [1, 2, 40])
-    assert s.readers == {}
+    assert s.readers.by_agent == {}
     s.call(2, "billing", [1, 2, 20, 21])
-    assert s.readers == {"router": {"billing"}}
+    assert s.readers.by_agent == {"router": {"billing"}}
 
 
 def test_a_preamble_is_recognised_after_the_workflow_that_sent_it_ended():
@@ -169,7 +170,33 @@ def test_a_preamble_is_recognised_after_the_workflow_that_sent_it_ended():
     s.end(1)
     s.call(2, "router", [1, 2, 20])
     s.call(2, "billing", [1, 2, 30])    # sequential workflows: the preamble is still known shared
-    assert s.readers == {}
+    assert s.readers.by_agent == {}
+
+
+def test_readers_learned_from_a_preamble_are_taken_back_once_another_workflow_sends_it():
+    # a server running one workflow at a time: while the first runs, its preamble (1, 2) looks
+    # like the router's cache that billing reads; the next workflow sends it too, so it was the
+    # framework's, and the edge it alone evidenced goes (block 10 keeps router -> auditor)
+    s = Staleness()
+    s.call(1, "router", [1, 2, 10])
+    s.call(1, "billing", [1, 2, 30])
+    s.call(1, "auditor", [1, 2, 10, 11])
+    assert s.readers.by_agent == {"router": {"billing", "auditor"}}
+    s.end(1)
+    version = s.readers.version
+    s.call(2, "router", [1, 2, 20])
+    assert s.readers.by_agent == {"router": {"auditor"}}
+    assert s.readers.version != version      # NextUse's memo of reader groups is redone
+
+
+def test_an_edge_whose_evidence_was_forgotten_is_kept():
+    from pbkv.policy.readers import Readers
+    r = Readers(memory=1)
+    r.read(1, "a", "b")
+    r.read(2, "a", "c")                  # block 1 forgotten: a -> b can no longer be taken back
+    r.shared(1)
+    r.shared(2)
+    assert r.by_agent == {"a": {"b"}} and r.count == {("a", "b"): 1}
 
 
 def test_shared_blocks_memory_is_bounded_oldest_forgotten_first():

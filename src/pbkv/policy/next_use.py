@@ -132,22 +132,22 @@ class NextUse:
         self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
         self.stale = Staleness()                 # which of an agent's cache its workflow still reads; readers
         self.at: dict[int, float] = {}           # workflow -> time of its latest prediction
-        self._groups_memo = None                 # (classes list, reader count, _groups() of it)
+        self._groups_memo = None                 # (classes list, readers' version, _groups() of it)
 
     def _groups(self) -> list[list[int]]:
         """Per class: the classes whose calls read its cache (itself first). Memoised until a
-        reader is added (readers only grow: their count dates them) or the classes change (it
-        is read at every prediction: policy time)."""
+        reader is added or taken back (`Readers.version`) or the classes change (it is read at
+        every prediction: policy time)."""
         names = self.scores.classes
         readers = self.stale.readers
-        count = sum(map(len, readers.values()))
+        version = readers.version
         memo = self._groups_memo
-        if memo is not None and memo[0] is names and memo[1] == count:
+        if memo is not None and memo[0] is names and memo[1] == version:
             return memo[2]
         index = {name: i for i, name in enumerate(names)}
-        groups = [[a] + [index[r] for r in sorted(readers.get(name, ())) if r in index]
+        groups = [[a] + [index[r] for r in sorted(readers.of(name)) if r in index]
                   for a, name in enumerate(names)]
-        self._groups_memo = (names, count, groups)
+        self._groups_memo = (names, version, groups)
         return groups
 
     def update(self, workflow: int, agent: str, now: float, probs, survival, pending: bool) -> list[int]:

@@ -30,22 +30,24 @@ class SharedBlocks:
         self.ended: OrderedDict[int, None] = OrderedDict()  # blocks of ended workflows, oldest first
         self.shared: OrderedDict[int, None] = OrderedDict()  # blocks two workflows sent, least recent first
 
-    def sent(self, workflow: int, block: int) -> None:
-        """`workflow` sent `block` for the first time (the caller remembers its own blocks)."""
+    def sent(self, workflow: int, block: int) -> bool:
+        """`workflow` sent `block` for the first time (the caller remembers its own blocks).
+        True when this made the block shared (the caller may take back what it learned from it)."""
         if block in self.shared:
             self.shared.move_to_end(block)
-            return
+            return False
         owner = self.owner.get(block)
         if owner is None and block not in self.ended:
             self.owner[block] = workflow
-            return
+            return False
         if owner == workflow:
-            return
+            return False
         self.owner.pop(block, None)
         self.ended.pop(block, None)
         self.shared[block] = None
         if len(self.shared) > self.memory:
             self.shared.popitem(last=False)
+        return True
 
     def end(self, workflow: int, blocks) -> None:
         """`workflow` ended; `blocks` are all it sent."""

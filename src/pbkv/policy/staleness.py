@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from pbkv.policy.readers import Readers
 from pbkv.policy.shared_blocks import SharedBlocks
 
 BUCKETS = 8                       # per count: 0, 1, 2, 3, 4-7, 8-15, 16-31, 32+
@@ -73,7 +74,7 @@ class Staleness:
         self.sent: dict[int, Counter] = {}               # workflow -> group -> blocks its latest call resent
         self.seq: dict[int, list[str]] = {}              # workflow -> agent of each call
         self.agent_calls: dict[int, dict[str, int]] = {}  # workflow -> agent -> calls so far
-        self.readers: dict[str, set[str]] = {}           # agent -> others sending again blocks it sent first
+        self.readers = Readers()                         # agent -> others sending again blocks it sent first
         self.origin: dict[int, dict[int, str]] = {}      # workflow -> block -> agent of its first sender
         self.shared = SharedBlocks()                     # blocks other workflows sent too: not evidence of reading
         self.chances: dict[tuple, list[int]] = {}        # key -> samples by state a * BUCKETS + c
@@ -110,11 +111,12 @@ class Staleness:
                 seen[b] = once
                 groups[once] += 1
                 origin[b] = agent
-                self.shared.sent(workflow, b)
+                if self.shared.sent(workflow, b):
+                    self.readers.shared(b)       # it evidenced no reading: take it back
             elif last[0] != now:                 # not this call's own block: read again
                 first = origin[b]
                 if first != agent and not self.shared.is_shared(b):
-                    self.readers.setdefault(first, set()).add(agent)
+                    self.readers.read(b, first, agent)
                 groups[last] -= 1
                 if not groups[last]:
                     del groups[last]
@@ -134,7 +136,7 @@ class Staleness:
             sender, then, key = group
             since = u - 1 - sender
             agent = key[0]
-            if since <= 0 or (caller != agent and caller not in self.readers.get(agent, ())):
+            if since <= 0 or (caller != agent and caller not in self.readers.of(agent)):
                 continue
             read = sent.get(group, 0)
             n = groups.get(group, 0) + read
