@@ -242,6 +242,19 @@ def test_a_replica_killed_mid_run_loses_only_its_streams_already_sending(servers
     _wait_for_restart(scaled.url)
 
 
+@pytest.fixture(scope="module")
+def peer(servers):
+    """A third app: 2 replicas behind the pbkv router, no shared directory, a queued request
+    costing 10 s: a workflow's call goes to the idle replica while its home is busy, and fetches
+    its prefix from the home when moving it beats recomputing it."""
+    from pbkv.scale.serve_app import ReplicaOptions, ReplicaServer
+    opts = ReplicaOptions(replicas=2, router="pbkv", app_name="pbkv-peer", stats_period_s=0.5, replica_cpus=0,
+                          router_config={"prefill_s_per_token": 1e-3, "queue_s_per_request": 10.0})
+    srv = ReplicaServer(dataclasses.replace(CFG, max_tokens_limit=4096), opts).start()
+    yield srv
+    srv.stop()
+
+
 async def _one_process(url: str, prompts: list[str]) -> list[str]:
     """The single-process server's greedy answers (concurrent: the engine batches them)."""
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300) as http:
@@ -311,3 +324,52 @@ def test_a_workflow_moved_to_the_other_replica_loads_its_prefix_from_the_shared_
         want = _complete(single.url, prompt, agent)   # one process, no shared dir
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+
+
+async def _busy_home_then_move(url: str, prompt: str, more: str) -> tuple[dict, str]:
+    """A long streamed call of workflow "moved" (its home replica stays busy), then, once it
+    streams, the workflow's next call; returns that call's answer and the first call's text."""
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=300) as http:
+        first_text, text = asyncio.Event(), []
+
+        async def long_call():
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                    "stream": True, "workflow_id": "moved", "agent": "planner"}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        text.append(json.loads(line[6:])["choices"][0]["text"])
+                        first_text.set()
+
+        task = asyncio.create_task(long_call())
+        await asyncio.wait_for(first_text.wait(), 120)
+        await asyncio.sleep(1.5)   # three routing-stats reports: the home's load is known
+        body = {"model": "tiny", "prompt": prompt + more, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                "workflow_id": "moved", "agent": "booker"}
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert not task.done()         # the home was busy the whole time
+        task.cancel()
+        return r.json(), "".join(text)
+
+
+def test_a_call_sent_away_from_its_busy_home_fetches_the_prefix_from_it(servers, peer):
+    single, _ = servers
+    more = "Now the agent books one hotel per city."
+    m0 = _metrics(peer.url)
+    moved, _ = asyncio.run(_busy_home_then_move(peer.url, TRIP, more))
+    m1 = _metrics(peer.url)
+    received = _per_replica(m1, "pbkv_peer_kv_blocks_received_total")
+    sent = _per_replica(m1, "pbkv_peer_kv_blocks_sent_total")
+    (b, n), = [(r, v) for r, v in received.items() if v > 0]
+    (a, n_sent), = [(r, v) for r, v in sent.items() if v > 0]
+    assert a != b and n == n_sent >= 2
+    usage = moved["usage"]
+    assert usage["pbkv_cached_tokens"]["shared"] == usage["prompt_tokens_details"]["cached_tokens"] == 16 * n
+    hits = 'pbkv_cache_hit_tokens_total{{replica="{}",tier="shared"}}'
+    assert m1[hits.format(b)] - m0.get(hits.format(b), 0) == 16 * n
+    assert m1.get(f'pbkv_peer_kv_blocks_unused_total{{replica="{b}"}}', 0) == 0
+    want = _complete(single.url, TRIP + more, "booker")   # one process, all computed
+    assert moved["choices"][0]["text"] == want["choices"][0]["text"]
+    assert usage["prompt_tokens"] == want["usage"]["prompt_tokens"]
+

@@ -78,3 +78,21 @@ def test_a_request_without_reuse_probability_takes_the_one_its_home_replica_repo
     assert with_reported_reuse(other, views) is other                            # no replica holds v
     b_silent = ReplicaSnapshot("b", workflows={"w": 1000}).to_stats()
     assert with_reported_reuse(req, [o.view("b2", b_silent, None)]) is req       # nothing reported
+
+
+def test_a_decision_to_fetch_is_written_into_the_call_s_hints_and_a_pin_is_read():
+    from pbkv.route import RouteDecision
+    from pbkv.scale.adapter import hints_dict, mark_fetch, pinned
+    o = Overlay()
+    a = ReplicaSnapshot("a", blocks=frozenset({1})).to_stats() | {"seq": 1}
+    b = ReplicaSnapshot("b", load=3, blocks=frozenset({1, 2, 3, 4}), workflows={"w": 64}).to_stats() | {"seq": 1}
+    views = [o.view("a", a, None), o.view("b", b, None)]
+    hints = {"workflow_id": "w", "hash_ids": [1, 2, 3, 4, 5], "input_tokens": 80, "fetch": {"stale": 1}}
+    assert hints_dict(["text", hints], {}) is hints
+    decision = make_router("pbkv").choose(route_request([hints]), views)      # b is busy: a, fetching from b
+    assert (decision.replica, decision.fetch_from, decision.fetch_tokens) == ("a", "b", 48)
+    mark_fetch(hints, decision, views)
+    assert hints["fetch"] == {"from": "b", "first": 1, "blocks": 3}            # a holds block 1 already
+    mark_fetch(hints, RouteDecision("b"), views)
+    assert "fetch" not in hints                                                # none now: the old one goes
+    assert pinned([{"pin": "b"}, [1, 2]]) == "b" and pinned([hints]) is None and pinned([], {"x": {"pin": 7}}) == "7"

@@ -17,6 +17,12 @@ optionally `output_tokens`, `reuse_probability`, `next_prefix`; without a `reuse
 that dict among a call's arguments and returns None for anything else (routed as plain load
 balancing).
 `hinted_call` also reads Ray Serve LLM's OpenAI request objects (`pbkv.scale.llm_hints`).
+
+KV movement (`mark_fetch`, `pinned`): when the router's decision says to fetch a prefix from
+another replica, the hints dict gains `fetch` = {"from": replica id, "first": blocks the chosen
+replica already caches, "blocks": blocks to move}, which the chosen replica acts on before it
+queues the call (`pbkv.scale.replica`); its request for the blocks names that replica in a `pin`
+dict, which the Ray router honours as it is (`pinned`).
 """
 
 from __future__ import annotations
@@ -31,18 +37,49 @@ from pbkv.route.base import home
 from pbkv.scale.llm_hints import LLMCall, TextChunks, find_llm_call
 
 
-def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest | None:
+def hints_dict(args: Iterable, kwargs: Mapping | None = None) -> Mapping | None:
     """The first argument (or keyword value) that is a dict with `workflow_id` and `hash_ids`."""
     for value in list(args) + list((kwargs or {}).values()):
         if isinstance(value, Mapping) and "workflow_id" in value and "hash_ids" in value:
-            hash_ids = tuple(int(h) for h in value["hash_ids"])
-            return RouteRequest(workflow_id=str(value["workflow_id"]), agent=str(value.get("agent", "")),
-                                hash_ids=hash_ids,
-                                input_tokens=int(value.get("input_tokens", 16 * len(hash_ids))),
-                                output_tokens=int(value.get("output_tokens", 0)),
-                                reuse_probability=value.get("reuse_probability"),
-                                next_prefix=tuple(int(h) for h in value.get("next_prefix", ())))
+            return value
     return None
+
+
+def pinned(args: Iterable, kwargs: Mapping | None = None) -> str | None:
+    """The replica id a call names in a `{"pin": id}` dict argument (a replica's request for KV
+    from one given replica), else None."""
+    for value in list(args) + list((kwargs or {}).values()):
+        if isinstance(value, Mapping) and "pin" in value and "hash_ids" not in value:
+            return str(value["pin"])
+    return None
+
+
+def mark_fetch(hints: dict, decision, views: "list[MergedView]") -> None:
+    """Write the decision's KV move into the call's hints dict (`fetch`, see the module
+    docstring); remove one left from an earlier decision when there is none now."""
+    hints.pop("fetch", None)
+    chosen = next((v for v in views if v.id == decision.replica), None)
+    if chosen is None or decision.fetch_from is None:
+        return
+    block_size = chosen.base.block_size
+    if decision.fetch_tokens < block_size:
+        return
+    first = chosen.cached_prefix_tokens(hints["hash_ids"]) // block_size
+    hints["fetch"] = {"from": decision.fetch_from, "first": first, "blocks": decision.fetch_tokens // block_size}
+
+
+def route_request(args: Iterable, kwargs: Mapping | None = None) -> RouteRequest | None:
+    """The hints dict's request (`hints_dict`), or None."""
+    value = hints_dict(args, kwargs)
+    if value is None:
+        return None
+    hash_ids = tuple(int(h) for h in value["hash_ids"])
+    return RouteRequest(workflow_id=str(value["workflow_id"]), agent=str(value.get("agent", "")),
+                        hash_ids=hash_ids,
+                        input_tokens=int(value.get("input_tokens", 16 * len(hash_ids))),
+                        output_tokens=int(value.get("output_tokens", 0)),
+                        reuse_probability=value.get("reuse_probability"),
+                        next_prefix=tuple(int(h) for h in value.get("next_prefix", ())))
 
 
 def with_reported_reuse(request: RouteRequest, views: "list[MergedView]") -> RouteRequest:

@@ -112,6 +112,7 @@ def run_one(cfg: ServeConfig, router: str, trace: Trace, args) -> dict:
             **{f"hit_{t}": m[f'pbkv_cache_hit_tokens_total{{tier="{t}"}}'] for t in ("device", "host", "disk", "shared")},
             "computed_tokens": m["pbkv_cache_recomputed_tokens_total"],
             "shared_files_written": m.get("pbkv_shared_kv_files_written_total", 0),
+            "peer_blocks_moved": m.get("pbkv_peer_kv_blocks_received_total", 0),
             "prompt_tokens_per_replica": sorted(per_replica.values()),
             "retried": m["pbkv_replica_retried_requests_total"], "failed": m["pbkv_replica_failed_requests_total"]}
 

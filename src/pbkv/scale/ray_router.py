@@ -17,8 +17,11 @@ hints goes to every candidate at once (Ray's least-queue choice). A hints dict m
 to `avoid` (the ingress's retry after a replica was lost): they are left out while another
 candidate remains.
 Loads come from Ray's queue-length cache when it has a fresh entry, else from the report.
-Replicas do not move KV between them on a router's say yet (a shared tier is read by whoever
-needs it), so `can_fetch` defaults to False here: the router never plans a transfer.
+KV movement: a decision to fetch a prefix from another replica is written into the call's hints
+(`adapter.mark_fetch`); replicas that can act on it (`pbkv serve --replicas`: `scale/replica.py`)
+ask the source for the blocks with a call pinned to it (`{"pin": id}`: that replica alone is
+returned). Other deployments cannot, so `can_fetch` defaults to False here (the router then never
+plans a transfer); `pbkv serve --replicas` sets it.
 Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
 Ray pickles this module BY VALUE (`RequestRouterConfig` registers it so): module-level state here
 would be copied into every deployment, so the process-wide registry of routers (for
@@ -34,7 +37,8 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import Overlay, hinted_call, register_router, with_reported_reuse
+from pbkv.scale.adapter import (Overlay, hinted_call, hints_dict, mark_fetch, pinned, register_router,
+                                with_reported_reuse)
 from pbkv.scale.llm_hints import TextChunks
 
 
@@ -61,6 +65,9 @@ class PBKVRequestRouter(RequestRouter):
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         if not hasattr(self, "pbkv_router"):   # Ray did not call initialize_state (no kwargs given)
             self.initialize_state()
+        pin = None if pending_request is None else pinned(pending_request.args, pending_request.kwargs)
+        if pin is not None:   # a replica asks this one for KV: that one or none (the caller times out)
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
         call = None if pending_request is None else self._call(pending_request)
         if call is None or not candidate_replicas:
             return [candidate_replicas]
@@ -71,6 +78,9 @@ class PBKVRequestRouter(RequestRouter):
         # remember the choice now, not only once Ray has sent the call: calls that arrive together
         # are chosen before any is sent, and would all see the same views and pick the same replica
         self.overlay.routed(decision.replica, call.route)
+        hints = hints_dict(pending_request.args, pending_request.kwargs)
+        if hints is not None:
+            mark_fetch(hints, decision, views)
         chosen = [r for r in candidate_replicas if r.replica_id.unique_id == decision.replica]
         rest = [r for r in candidate_replicas if r.replica_id.unique_id != decision.replica]
         self.decision_s.append(time.perf_counter() - start)

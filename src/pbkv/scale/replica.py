@@ -13,6 +13,13 @@ Closing the stream early (the client went away, or Ray cancelled it) cancels the
 predicts one, the probability the workflow calls again (`reuse`), its load = jobs in flight) plus `tiers` (block ids per tier) and a `seq` that changes with every report; it is
 taken on the engine thread, between two engine steps, like /metrics.
 
+KV movement: when the router decided that this call's prefix is better fetched from another
+replica than recomputed, `route` carries `fetch` (`pbkv.scale.adapter.mark_fetch`). Before
+queueing the call the replica asks that one for the blocks (`export_prefix`, a call through the
+deployment's own handle pinned to it) and puts them in its engine's inbox (`pbkv.engine.hf.peer`),
+where the call's admission reads them after its local prefix. A fetch that fails or takes longer
+than `FETCH_TIMEOUT_S` is given up: the call recomputes those tokens, nothing else changes.
+
 Folders (`replica_config`): every replica reads and writes the same `--shared-dir` (that is the
 point of the shared tier: a call routed to replica B loads the prefix A computed), but a
 `--disk-dir` is private to one engine (its files are named by a per-process counter), so each
@@ -32,6 +39,7 @@ from pbkv.serve.jobs import Done, Job
 from pbkv.serve.server import ServeConfig, build_state
 
 log = logging.getLogger("pbkv.scale")
+FETCH_TIMEOUT_S = 30.0   # a fetch not done by then is given up (the tokens are recomputed)
 
 
 def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
@@ -70,6 +78,7 @@ class EngineReplica:
         self.id = serve.get_replica_context().replica_id.unique_id
         self.state = build_state(replica_config(cfg, self.id))
         self.seq = 0
+        self._peers = None   # the deployment's handle, to ask another replica for KV
 
     # ------------------------------------------------------------------ the router's view
 
@@ -86,6 +95,9 @@ class EngineReplica:
         """One call: `{"replica": id}`, text pieces, then one `Done` (see the module docstring).
         `route` is the router's hints (unused here: it travels as an argument so the router reads it)."""
         yield {"replica": self.id}
+        fetch = route.get("fetch")
+        if fetch and fetch.get("from") != self.id:
+            await self._fetch(route["hash_ids"], fetch)
         worker = self.state.worker
         worker.submit(job)
         done = None
@@ -103,6 +115,33 @@ class EngineReplica:
         finally:
             if done is None:   # the ingress stopped reading: stop generating for nobody
                 worker.cancel(job)
+
+    async def _fetch(self, hash_ids: list[int], fetch: dict) -> int:
+        """Ask replica `fetch["from"]` for blocks `first`..`first + blocks` of this prompt and put
+        what it sends in the engine's inbox; returns the blocks received (0 when it failed)."""
+        first, want = int(fetch["first"]), int(fetch["blocks"])
+        keys = list(hash_ids[:first + want])
+        try:
+            if self._peers is None:
+                from ray import serve
+                ctx = serve.get_replica_context()
+                self._peers = serve.get_deployment_handle(ctx.deployment, ctx.app_name).options(
+                    method_name="export_prefix")
+            blocks, kv = await asyncio.wait_for(
+                self._peers.remote({"pin": fetch["from"]}, keys, first), FETCH_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - any failure only costs a recompute
+            log.warning("fetching %d KV blocks from replica %s failed: %r", want, fetch["from"], exc)
+            return 0
+        if not blocks:
+            return 0
+        worker = self.state.worker
+        return await asyncio.wrap_future(worker.call(lambda: worker.engine.peer.put(keys[first:first + blocks], kv)))
+
+    async def export_prefix(self, pin: dict, keys: list[int], first: int):
+        """(blocks, CPU KV) of this prompt's blocks `first`.. that this replica caches (`pin` names
+        this replica: the router's cue, see `pbkv.scale.adapter.pinned`)."""
+        worker = self.state.worker
+        return await asyncio.wrap_future(worker.call(lambda: worker.engine.export_prefix(keys, first)))
 
     async def end_workflow(self, workflow_id: str) -> bool:
         """Ends this replica's run of `workflow_id`; False when it has none."""

@@ -54,6 +54,7 @@ def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
     """The bound engine deployment (give it to `serve.run`)."""
     check_options(opts)
     config = default_router_config() if opts.router_config is None else opts.router_config
+    config = {"can_fetch": True} | config   # replicas move KV between them (scale/replica.py)
     router_cfg = RequestRouterConfig(request_router_class=ROUTER_CLASS,
                                      request_router_kwargs={"router": opts.router, "config": config},
                                      request_routing_stats_period_s=opts.stats_period_s)

@@ -73,12 +73,22 @@ def engine_snapshot(engine: HFEngine, in_flight: int, active_workflows: int,
 
 
 def _shared(engine) -> list[Metric]:
-    """The shared directory's counters (none without one)."""
+    """KV moved between replicas (`peer.py`), and the shared directory's counters (none without one)."""
+    peer = getattr(engine, "peer", None)
+    pc = peer.counters if peer is not None else None
+    out = [] if pc is None else [
+        _one(CounterMetricFamily, "pbkv_peer_kv_blocks_received_total", "KV blocks other replicas sent this engine "
+             "for calls routed here (read as tier shared).", pc.blocks_received),
+        _one(CounterMetricFamily, "pbkv_peer_kv_blocks_sent_total", "KV blocks this engine sent to other replicas.",
+             pc.blocks_sent),
+        _one(CounterMetricFamily, "pbkv_peer_kv_blocks_unused_total", "Received blocks dropped unread.",
+             pc.blocks_unused),
+    ]
     sh = engine.shared
     if sh is None:
-        return []
+        return out
     st = sh.dir.stats
-    return [
+    return out + [
         _one(CounterMetricFamily, "pbkv_shared_kv_files_written_total", "KV blocks this engine wrote to the shared "
              "directory.", sh.counters.blocks_written),
         _one(CounterMetricFamily, "pbkv_shared_kv_corrupt_total", "Shared-directory files refused by a check "

@@ -26,7 +26,8 @@ final hidden state of the last prompt token goes to the policy (`on_prefill`, `o
 `CallEvent.hidden`). The last prompt token is always computed (its logits pick the first output
 token). Host/disk prefixes are loaded or recomputed: see `admit.py`; prefill, decode and the end
 of a request: `execute.py`; with `shared_dir`, a directory shared with other engines continues
-the local match and receives each prefill's computed blocks: `shared.py`.
+the local match and receives each prefill's computed blocks: `shared.py`; blocks another
+replica sent for a call (`peer` inbox, `export_prefix` for the sender side): `peer.py`.
 
 Invariants: a node's KV lives in its tier (`kvstore.py`); device tokens in use = tree nodes +
 what live requests reserved (prompt suffix + max new tokens; pending loads), as in the
@@ -45,6 +46,7 @@ from pbkv.engine.hf.admit import CacheOps
 from pbkv.engine.hf.execute import ExecOps
 from pbkv.engine.hf.kvstore import KVStore
 from pbkv.engine.hf.model import LoadedModel
+from pbkv.engine.hf.peer import PeerInbox, export_prefix
 from pbkv.engine.hf.shared import SharedOps, SharedTier
 from pbkv.engine.hf.state import (LOAD_RULES, EngineError, EngineOptions, EngineStats, Output, Seq,  # noqa: F401
                                   Stuck)
@@ -68,6 +70,7 @@ class HFEngine(ExecOps, CacheOps, SharedOps, EngineBase):
         self.store = KVStore(lm.device, worker or Worker(), disk_dir)
         cache.storage = self.store
         self.shared = SharedTier(shared_dir, lm, self.tree.block_size, shared_bytes) if shared_dir else None
+        self.peer = PeerInbox(self.tree.block_size, lm.device)   # KV other replicas sent (peer.py)
         self.tokenize = tokenize or TokenMapper(lm.vocab_size, self.tree.block_size, self.opts.seed).tokens
         self.rates = Rates(lm.kv_bytes_per_token)
         self._running: list[Seq] = []   # decoding (`_waiting`, FCFS, also holds requests whose prefix loads)
@@ -110,6 +113,13 @@ class HFEngine(ExecOps, CacheOps, SharedOps, EngineBase):
         if own:
             self.end_workflow(workflow)
         return req.result
+
+    def export_prefix(self, keys: list[int], first: int = 0) -> tuple[int, object]:
+        """(blocks, CPU KV) of the longest prefix of `keys` cached here, from block `first` on, for
+        another replica (`peer.py`); changes nothing in this engine's cache."""
+        blocks, kv = export_prefix(self.tree, self.store, keys, first)
+        self.peer.counters.blocks_sent += blocks
+        return blocks, kv
 
     def run(self) -> None:
         """Serve until no request, event or transfer is left."""

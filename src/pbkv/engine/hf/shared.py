@@ -118,7 +118,8 @@ class SharedTier:
 
 
 class SharedOps:
-    """Mixed into `HFEngine` (engine.py), which holds `shared` (a `SharedTier` or None), `tree`,
+    """Mixed into `HFEngine` (engine.py), which holds `shared` (a `SharedTier` or None), `peer`
+    (a `PeerInbox`: blocks other replicas sent), `tree`,
     `rates`, `opts`, `stats`, `store`, `tokenize` and `_prompts`. Runs on the engine thread."""
 
     def _shared_keys(self, req) -> list[int]:
@@ -126,21 +127,23 @@ class SharedOps:
         return block_hashes(tokens, self.tree.block_size)
 
     def _read_shared(self, req, device: int, cap: int) -> tuple[torch.Tensor | None, list[int] | None]:
-        """The shared tier's KV for the prompt tokens from `device` (the local prefix, whole
-        blocks) on, at most up to `cap`: (KV or None, the prompt's keys when computed)."""
-        sh, bs = self.shared, self.tree.block_size
-        if sh is None or device >= cap or device % bs or self.opts.load_rule == "recompute":
+        """KV from outside this engine for the prompt tokens from `device` (the local prefix,
+        whole blocks) on, at most up to `cap`: blocks another replica sent for this call
+        (`peer.py`), then the shared directory. (KV or None, the prompt's keys when computed)."""
+        sources = [s for s in (self.peer, self.shared) if s is not None]
+        bs = self.tree.block_size
+        if not sources or device >= cap or device % bs or self.opts.load_rule == "recompute":
             return None, None
         first, last = device // bs, min(req.call.input_length // bs, -(-cap // bs))
         if first >= last:
             return None, None
         keys = self._shared_keys(req)
         want = min(last * bs, cap) - device
-        if not sh.has(keys[first]) or (self.opts.load_rule == "auto" and
+        if not any(s.has(keys[first]) for s in sources) or (self.opts.load_rule == "auto" and
                                        self.rates.load_seconds([0, 0, 0, want]) > self.rates.prefill_seconds(want)):
             return None, keys
         start = time.perf_counter()
-        kv = sh.read(keys[first:last])
+        kv = _read_chain(sources, keys[first:last], bs)
         if kv is None:
             return None, keys
         self.rates.saw_load(SHARED, kv.numel() * kv.element_size(), time.perf_counter() - start)
@@ -159,3 +162,17 @@ class SharedOps:
             return
         keys = keys or block_hashes(tokens, bs)
         self.store.worker.submit(sh.write, keys[first:last], cache_to_kv(kv, first * bs, last * bs))
+
+
+def _read_chain(sources, keys: list[int], block_size: int) -> torch.Tensor | None:
+    """The longest leading run of `keys` read from `sources` in turn, each going on where the
+    one before stopped."""
+    parts, i = [], 0
+    for source in sources:
+        if i >= len(keys):
+            break
+        kv = source.read(keys[i:])
+        if kv is not None:
+            parts.append(kv)
+            i += kv.shape[3] // block_size
+    return torch.cat(parts, dim=3) if len(parts) > 1 else (parts[0] if parts else None)
