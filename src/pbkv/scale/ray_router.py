@@ -20,7 +20,7 @@ Loads come from Ray's queue-length cache when it has a fresh entry, else from th
 KV movement: a decision to fetch a prefix from another replica is written into the call's hints
 (`adapter.mark_fetch`); replicas that can act on it (`pbkv serve --replicas`: `scale/replica.py`)
 ask the source for the blocks with a call pinned to it (`{"pin": id}`: that replica alone is
-returned). Other deployments cannot, so `can_fetch` defaults to False here (the router then never
+returned, or every candidate when it is gone). Other deployments cannot, so `can_fetch` defaults to False here (the router then never
 plans a transfer); `pbkv serve --replicas` sets it.
 Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
 Ray pickles this module BY VALUE (`RequestRouterConfig` registers it so): module-level state here
@@ -66,8 +66,9 @@ class PBKVRequestRouter(RequestRouter):
         if not hasattr(self, "pbkv_router"):   # Ray did not call initialize_state (no kwargs given)
             self.initialize_state()
         pin = None if pending_request is None else pinned(pending_request.args, pending_request.kwargs)
-        if pin is not None:   # a replica asks this one for KV: that one or none (the caller times out)
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin]]
+        if pin is not None:   # a replica asks that one for KV; if it is gone, any other answers
+            # (keys name content: another replica's blocks under them are as good, or it has none)
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == pin] or candidate_replicas]
         call = None if pending_request is None else self._call(pending_request)
         if call is None or not candidate_replicas:
             return [candidate_replicas]

@@ -39,7 +39,7 @@ from pbkv.serve.jobs import Done, Job
 from pbkv.serve.server import ServeConfig, build_state
 
 log = logging.getLogger("pbkv.scale")
-FETCH_TIMEOUT_S = 30.0   # a fetch not done by then is given up (the tokens are recomputed)
+FETCH_TIMEOUT_S = 10.0   # a fetch not done by then is given up (the tokens are recomputed)
 
 
 def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
