@@ -10,7 +10,7 @@ from hf_helpers import BS, assert_same_as_reference, check, lm, random_prompt  #
 from pbkv.cache import Capacities, RadixTree, TieredCache
 from pbkv.engine.base import SHARED
 from pbkv.engine.hf import EngineOptions, HFEngine, ManualClock, Worker, block_hashes
-from pbkv.engine.hf.peer import PeerInbox
+from pbkv.engine.hf.peer import PeerInbox, device_prefix_blocks
 from pbkv.engine.request import Request
 from pbkv.policy import PolicyContext, make_policy
 from pbkv.trace import Call
@@ -51,7 +51,7 @@ def test_b_reads_the_prefix_a_exported_and_answers_as_if_it_computed_it(lm):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert_same_as_reference(lm, P + Y, got.result, 3)
     assert not b.peer.blocks and b.peer.bytes == 0            # read once, then the tree holds it
-    assert a.peer.counters.blocks_sent == blocks and b.peer.counters.blocks_received == blocks
+    assert a.peer.counters.blocks_sent == blocks and b.peer.counters.blocks_received == blocks == b.peer.counters.blocks_read
     check(a)
     check(b)
     for e in (a, b, alone):
@@ -65,6 +65,7 @@ def test_an_export_reads_host_and_disk_nodes_and_moves_nothing(lm):
     serve(a, random_prompt(27, 36), 2, "third")             # then to disk
     first = [n for n in a.tree.iter_nodes() if n.blocks[0] == block_hashes(P, BS)[0]]
     assert [n.tier.name for n in first] == ["DISK"]
+    assert device_prefix_blocks(a.tree, block_hashes(P, BS)) == 0        # B would read from block 0
     before = [(n.id, n.tier, n.last_access) for n in a.tree.iter_nodes()]
     blocks, kv = a.export_prefix(block_hashes(P, BS))
     assert blocks == len(P) // BS
@@ -85,6 +86,8 @@ def test_a_partial_last_block_is_not_exported(lm):
     blocks, kv = a.export_prefix(block_hashes(prompt, BS))
     assert blocks == len(P) // BS and kv.shape[3] == len(P)
     assert a.export_prefix(block_hashes(random_prompt(26, 8), BS)) == (0, None)
+    assert device_prefix_blocks(a.tree, block_hashes(prompt, BS)) == len(P) // BS
+    assert device_prefix_blocks(a.tree, block_hashes(P[:10], BS)) == 2   # whole blocks of a shorter prompt
     n, tail = a.export_prefix(block_hashes(prompt, BS), first=2)   # B holds the first two blocks
     assert n == len(P) // BS - 2 and torch.equal(tail, kv[:, :, :, 2 * BS:])
     a.close()

@@ -369,6 +369,7 @@ def test_a_call_sent_away_from_its_busy_home_fetches_the_prefix_from_it(servers,
     hits = 'pbkv_cache_hit_tokens_total{{replica="{}",tier="shared"}}'
     assert m1[hits.format(b)] - m0.get(hits.format(b), 0) == 16 * n
     assert m1.get(f'pbkv_peer_kv_blocks_unused_total{{replica="{b}"}}', 0) == 0
+    assert m1[f'pbkv_peer_kv_blocks_read_total{{replica="{b}"}}'] == n
     want = _complete(single.url, TRIP + more, "booker")   # one process, all computed
     assert moved["choices"][0]["text"] == want["choices"][0]["text"]
     assert usage["prompt_tokens"] == want["usage"]["prompt_tokens"]

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 
+from pbkv.engine.hf.peer import device_prefix_blocks
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
 from pbkv.serve.jobs import Done, Job
@@ -117,10 +118,17 @@ class EngineReplica:
                 worker.cancel(job)
 
     async def _fetch(self, hash_ids: list[int], fetch: dict) -> int:
-        """Ask replica `fetch["from"]` for blocks `first`..`first + blocks` of this prompt and put
-        what it sends in the engine's inbox; returns the blocks received (0 when it failed)."""
-        first, want = int(fetch["first"]), int(fetch["blocks"])
-        keys = list(hash_ids[:first + want])
+        """Ask replica `fetch["from"]` for this prompt's blocks up to `first + blocks`, from where
+        this engine's device prefix ends (at most `first`), and put what it sends in the engine's
+        inbox; returns the blocks received (0 when it failed)."""
+        end = int(fetch["first"]) + int(fetch["blocks"])
+        keys = list(hash_ids[:end])
+        worker = self.state.worker
+        # from what this engine holds on the device now, not what the router saw (any tier, a
+        # report ago): admission reads the inbox from where its device prefix ends
+        first = min(int(fetch["first"]), await asyncio.wrap_future(
+            worker.call(lambda: device_prefix_blocks(worker.engine.tree, keys))))
+        want = end - first
         try:
             if self._peers is None:
                 from ray import serve
@@ -134,7 +142,6 @@ class EngineReplica:
             return 0
         if not blocks:
             return 0
-        worker = self.state.worker
         return await asyncio.wrap_future(worker.call(lambda: worker.engine.peer.put(keys[first:first + blocks], kv)))
 
     async def export_prefix(self, pin: dict, keys: list[int], first: int):

@@ -79,6 +79,7 @@ def _shared(engine) -> list[Metric]:
     out = [] if pc is None else [
         _one(CounterMetricFamily, "pbkv_peer_kv_blocks_received_total", "KV blocks other replicas sent this engine "
              "for calls routed here (read as tier shared).", pc.blocks_received),
+        _one(CounterMetricFamily, "pbkv_peer_kv_blocks_read_total", "Received blocks a call read.", pc.blocks_read),
         _one(CounterMetricFamily, "pbkv_peer_kv_blocks_sent_total", "KV blocks this engine sent to other replicas.",
              pc.blocks_sent),
         _one(CounterMetricFamily, "pbkv_peer_kv_blocks_unused_total", "Received blocks dropped unread.",

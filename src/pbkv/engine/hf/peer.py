@@ -34,6 +34,7 @@ DEFAULT_INBOX_BYTES = 1 << 30   # 1 GiB of fetched KV waiting for its call
 @dataclass
 class PeerCounters:
     blocks_received: int = 0     # blocks put in the inbox
+    blocks_read: int = 0         # of those, read by a call's admission
     blocks_sent: int = 0         # blocks exported to another engine
     blocks_unused: int = 0       # dropped from the inbox unread (bound or replaced)
 
@@ -80,9 +81,26 @@ class PeerInbox:
                 break
             self.bytes -= block.numel() * block.element_size()
             parts.append(block)
+        self.counters.blocks_read += len(parts)
         if not parts:
             return None
         return torch.cat(parts, dim=3).to(self.device)
+
+
+def device_prefix_blocks(tree, keys: Sequence[int]) -> int:
+    """(engine thread) Whole blocks of the prompt `keys` that `tree` holds on the device, from the
+    start: where a call's admission would begin reading the inbox if it came now (a prefix in host
+    or on disk may be recomputed instead of loaded, so only the device part is counted)."""
+    node, matched = tree.match(list(keys))
+    blocks = 0
+    for n in node.path() if matched else []:
+        if n.tier != Tier.DEVICE:
+            break
+        full = len(n.blocks) - (n.tail_tokens < tree.block_size)
+        blocks = min(matched, n.start + full)
+        if full < len(n.blocks):
+            break
+    return blocks
 
 
 def export_prefix(tree, store, keys: Sequence[int], first: int = 0) -> tuple[int, torch.Tensor | None]:
