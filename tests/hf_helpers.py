@@ -54,6 +54,20 @@ def assert_same_as_reference(lm, prompt, out, n):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def serve_call(engine, prompt: list[int], n: int, name: str = "wf"):
+    """One workflow call of `prompt` to completion, `n` tokens; the engine's request (hits per tier)."""
+    from pbkv.engine.hf import block_hashes
+    from pbkv.engine.request import Request
+    from pbkv.trace import Call
+    call = Call(name, 0, "agent", len(prompt), n, block_hashes(prompt, BS))
+    engine.start_workflow(1, name)
+    req = Request(call=call, workflow=1, on_done=lambda r: None)
+    engine.submit(req, prompt)
+    engine.run()
+    engine.end_workflow(1)
+    return req
+
+
 def check(engine) -> None:
     """Every cache and storage invariant: accounting, tree, tensors in their tiers, no orphan files."""
     engine.store.worker.drain()

@@ -6,34 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from hf_helpers import BS, assert_same_as_reference, check, lm, random_prompt  # noqa: F401
-from pbkv.cache import Capacities, RadixTree, TieredCache
+from hf_helpers import (BS, assert_same_as_reference, check, lm, make_engine, random_prompt,  # noqa: F401
+                        serve_call)
 from pbkv.engine.base import SHARED
-from pbkv.engine.hf import EngineOptions, HFEngine, ManualClock, Worker, block_hashes
+from pbkv.engine.hf import block_hashes
 from pbkv.engine.hf.peer import PeerInbox, device_prefix_blocks
-from pbkv.engine.request import Request
-from pbkv.policy import PolicyContext, make_policy
-from pbkv.trace import Call
 
 P = random_prompt(21, 24)                     # the workflow's prefix on A: 6 blocks of 4
 X, Y = random_prompt(22, 6), random_prompt(23, 9)
 
 
 def engine_for(lm, device=200, host=0, disk=0, rule="load"):  # noqa: F811
-    pol = make_policy("lru", PolicyContext(block_size=BS))
-    cache = TieredCache(RadixTree(BS), Capacities(device, host, disk), pol)
-    return HFEngine(lm, cache, pol, clock=ManualClock(), worker=Worker(inline=True),
-                    options=EngineOptions(load_rule=rule, record_logits=True))
+    return make_engine(lm, device, host, disk, rule=rule)
 
 
-def serve(engine, prompt: list[int], n: int, name: str = "wf") -> Request:
-    call = Call(name, 0, "agent", len(prompt), n, block_hashes(prompt, BS))
-    engine.start_workflow(1, name)
-    req = Request(call=call, workflow=1, on_done=lambda r: None)
-    engine.submit(req, prompt)
-    engine.run()
-    engine.end_workflow(1)
-    return req
+serve = serve_call
 
 
 def test_b_reads_the_prefix_a_exported_and_answers_as_if_it_computed_it(lm):

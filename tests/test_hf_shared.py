@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_helpers import BS, assert_same_as_reference, check, lm, random_prompt  # noqa: F401
+from hf_helpers import BS, assert_same_as_reference, check, lm, random_prompt, serve_call  # noqa: F401
 from pbkv.cache import Capacities, RadixTree, TieredCache
 from pbkv.engine.base import SHARED
 from pbkv.engine.hf import EngineOptions, HFEngine, ManualClock, Worker, block_hashes, load_model
 from pbkv.engine.hf.shared import identity
-from pbkv.engine.request import Request
 from pbkv.policy import PolicyContext, make_policy
-from pbkv.trace import Call
 
 P = random_prompt(11, 24)                     # the workflow's shared prefix: 6 blocks of 4
 X, Y = random_prompt(12, 6), random_prompt(13, 9)
@@ -26,15 +24,7 @@ def engine_for(lm, shared_dir=None, rule="load", device=200, **kw):  # noqa: F81
                     options=EngineOptions(load_rule=rule, record_logits=True), shared_dir=shared_dir, **kw)
 
 
-def serve(engine, prompt: list[int], n: int, name: str = "wf") -> Request:
-    """One workflow call of `prompt` to completion; the engine's request (hits per tier)."""
-    call = Call(name, 0, "agent", len(prompt), n, block_hashes(prompt, BS))
-    engine.start_workflow(1, name)
-    req = Request(call=call, workflow=1, on_done=lambda r: None)
-    engine.submit(req, prompt)
-    engine.run()
-    engine.end_workflow(1)
-    return req
+serve = serve_call
 
 
 def test_replica_b_loads_a_prefix_from_the_shared_tier(lm, tmp_path):

@@ -52,11 +52,13 @@ def test_scores_by_hand_on_two_workflows():
     assert score["S"] == pytest.approx(0.825 + 0.425 + 0.25 + 0.5)
     # "Sa" (shared by Sa1 and Sa2) is common too: total for agent a = .825 + .25
     assert pol.scores.score(cache.tree.match(ids("Sa"))[0]) == pytest.approx(1.075)
-    # The order is by predicted next use (next_use.py), not by score: w1's b call arrived on
-    # the path "S" that w1's a call had used, so b's calls read a's cache too. Sa2 is then read
-    # by w2's next call (b, alive .5) or the one after (a), Sb1 only when w1 calls b (.2 next,
-    # .45 after): Sb1 is the farthest. (With the score alone, Sa2 went first.)
-    assert eviction_order(cache) == labels("Sb1", "Sa2", "Sa1", "Sa", "S")
+    # The order is by predicted next use (next_use.py), not by score. w1's b call sent again
+    # the path "S" that w1's a call had sent, but w2 sent "S" too: it is the preamble, not a's
+    # cache that b reads (readers.py: the edge it evidenced is taken back), so b's calls do not
+    # read a's. Sa2 is read at w2's call after next (a; w2 calls b first), Sb1 when w1 calls b
+    # (.2 next, .45 after): Sa2 is the farthest. (While b counted as a reader of a, Sa2 was read
+    # at w2's next call and Sb1 went first; had w2 started first, b never counted.)
+    assert eviction_order(cache) == labels("Sa2", "Sb1", "Sa1", "Sa", "S")
 
 
 def test_index_keys_are_the_rule_s_values_after_each_call():
