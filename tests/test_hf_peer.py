@@ -10,7 +10,7 @@ from hf_helpers import (BS, assert_same_as_reference, check, lm, make_engine, ra
                         serve_call)
 from pbkv.engine.base import SHARED
 from pbkv.engine.hf import block_hashes
-from pbkv.engine.hf.peer import PeerInbox, device_prefix_blocks
+from pbkv.engine.hf.peer import PeerInbox, fetch_start, held_blocks
 
 P = random_prompt(21, 24)                     # the workflow's prefix on A: 6 blocks of 4
 X, Y = random_prompt(22, 6), random_prompt(23, 9)
@@ -52,7 +52,7 @@ def test_an_export_reads_host_and_disk_nodes_and_moves_nothing(lm):
     serve(a, random_prompt(27, 36), 2, "third")             # then to disk
     first = [n for n in a.tree.iter_nodes() if n.blocks[0] == block_hashes(P, BS)[0]]
     assert [n.tier.name for n in first] == ["DISK"]
-    assert device_prefix_blocks(a.tree, block_hashes(P, BS)) == 0        # B would read from block 0
+    assert held_blocks(a.tree, block_hashes(P, BS))[0] == len(P) // BS   # on disk: held all the same
     before = [(n.id, n.tier, n.last_access) for n in a.tree.iter_nodes()]
     blocks, kv = a.export_prefix(block_hashes(P, BS))
     assert blocks == len(P) // BS
@@ -73,11 +73,27 @@ def test_a_partial_last_block_is_not_exported(lm):
     blocks, kv = a.export_prefix(block_hashes(prompt, BS))
     assert blocks == len(P) // BS and kv.shape[3] == len(P)
     assert a.export_prefix(block_hashes(random_prompt(26, 8), BS)) == (0, None)
-    assert device_prefix_blocks(a.tree, block_hashes(prompt, BS)) == len(P) // BS
-    assert device_prefix_blocks(a.tree, block_hashes(P[:10], BS)) == 2   # whole blocks of a shorter prompt
+    assert held_blocks(a.tree, block_hashes(prompt, BS))[0] == len(P) // BS
+    assert held_blocks(a.tree, block_hashes(P[:10], BS))[0] == 2         # whole blocks of a shorter prompt
     n, tail = a.export_prefix(block_hashes(prompt, BS), first=2)   # B holds the first two blocks
     assert n == len(P) // BS - 2 and torch.equal(tail, kv[:, :, :, 2 * BS:])
     a.close()
+
+
+def test_a_fetch_starts_where_the_held_prefix_ends_and_only_if_the_load_rule_would_read_it(lm):
+    b = engine_for(lm, rule="auto")
+    serve(b, P[:8] + X, 2)                                    # b holds P's first two blocks
+    keys = block_hashes(P + Y, BS)[:6]                        # the router: fetch up to block 6
+    assert fetch_start(b, keys, first=4) == 2                 # the router's view said 4: b holds 2
+    assert fetch_start(b, keys, first=1) == 1
+    assert fetch_start(b, keys[:2], first=2) is None          # nothing left to fetch
+    b.rates.prefill_tps = 1e9                                 # recomputing 4 blocks beats one load
+    assert fetch_start(b, keys, first=4) is None
+    b.opts.load_rule = "load"
+    assert fetch_start(b, keys, first=4) == 2
+    b.opts.load_rule = "recompute"
+    assert fetch_start(b, keys, first=4) is None
+    b.close()
 
 
 def test_the_inbox_is_bounded_oldest_blocks_dropped_first():

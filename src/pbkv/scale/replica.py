@@ -15,7 +15,8 @@ taken on the engine thread, between two engine steps, like /metrics.
 
 KV movement: when the router decided that this call's prefix is better fetched from another
 replica than recomputed, `route` carries `fetch` (`pbkv.scale.adapter.mark_fetch`). Before
-queueing the call the replica asks that one for the blocks (`export_prefix`, a call through the
+queueing the call the replica, unless its own load rule would recompute those tokens anyway
+(its measured rates: the router's costs are estimates), asks that one for the blocks (`export_prefix`, a call through the
 deployment's own handle pinned to it) and puts them in its engine's inbox (`pbkv.engine.hf.peer`),
 where the call's admission reads them after its local prefix. A fetch that fails or takes longer
 than `FETCH_TIMEOUT_S` is given up: the call recomputes those tokens, nothing else changes.
@@ -33,7 +34,7 @@ import dataclasses
 import logging
 import os
 
-from pbkv.engine.hf.peer import device_prefix_blocks
+from pbkv.engine.hf.peer import fetch_start
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
 from pbkv.serve.jobs import Done, Job
@@ -119,15 +120,18 @@ class EngineReplica:
 
     async def _fetch(self, hash_ids: list[int], fetch: dict) -> int:
         """Ask replica `fetch["from"]` for this prompt's blocks up to `first + blocks`, from where
-        this engine's device prefix ends (at most `first`), and put what it sends in the engine's
-        inbox; returns the blocks received (0 when it failed)."""
+        the prefix this engine holds ends (at most `first`), unless this engine would recompute
+        them anyway (`peer.fetch_start`), and put what it sends in the engine's inbox; returns
+        the blocks received (0 when none)."""
         end = int(fetch["first"]) + int(fetch["blocks"])
         keys = list(hash_ids[:end])
         worker = self.state.worker
-        # from what this engine holds on the device now, not what the router saw (any tier, a
-        # report ago): admission reads the inbox from where its device prefix ends
-        first = min(int(fetch["first"]), await asyncio.wrap_future(
-            worker.call(lambda: device_prefix_blocks(worker.engine.tree, keys))))
+        # from what this engine holds now (admission reads the inbox from where the prefix it
+        # holds ends), and only what its load rule would read rather than recompute
+        first = await asyncio.wrap_future(
+            worker.call(lambda: fetch_start(worker.engine, keys, int(fetch["first"]))))
+        if first is None:
+            return 0
         want = end - first
         try:
             if self._peers is None:

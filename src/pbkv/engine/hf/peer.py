@@ -3,6 +3,8 @@
 When a router sends a call to replica B but replica A caches a longer prefix of its prompt, and
 moving those tokens beats recomputing them (`pbkv.route`, `fetch_from`), B asks A for them
 before it queues the call (`pbkv.scale.replica`):
+- B: `fetch_start` (engine thread) says from which block (where the prefix B holds ends) and
+  whether at all (not when B's load rule would recompute that many tokens anyway);
 - A: `export_prefix` (engine thread) reads the longest leading run of the keys that its tree
   holds, in any tier, whole blocks only, and hands over a CPU copy (the node's data stays);
 - B: `PeerInbox.put` (engine thread) keeps the blocks by key until a call's admission reads
@@ -87,20 +89,34 @@ class PeerInbox:
         return torch.cat(parts, dim=3).to(self.device)
 
 
-def device_prefix_blocks(tree, keys: Sequence[int]) -> int:
-    """(engine thread) Whole blocks of the prompt `keys` that `tree` holds on the device, from the
-    start: where a call's admission would begin reading the inbox if it came now (a prefix in host
-    or on disk may be recomputed instead of loaded, so only the device part is counted)."""
+def held_blocks(tree, keys: Sequence[int]) -> tuple[int, list]:
+    """(engine thread) (whole blocks of the prompt `keys` that `tree` holds from the start, in any
+    tier; the path holding them, root side first)."""
     node, matched = tree.match(list(keys))
-    blocks = 0
-    for n in node.path() if matched else []:
-        if n.tier != Tier.DEVICE:
-            break
-        full = len(n.blocks) - (n.tail_tokens < tree.block_size)
-        blocks = min(matched, n.start + full)
-        if full < len(n.blocks):
-            break
-    return blocks
+    if not matched:
+        return 0, []
+    path = node.path()
+    last = path[-1]
+    if matched == last.start + len(last.blocks) and last.tail_tokens < tree.block_size:
+        matched -= 1                      # its last matched block is partial: not a whole block
+    return matched, path
+
+
+def fetch_start(engine, keys: Sequence[int], first: int) -> int | None:
+    """(engine thread) The block to fetch `keys` from (where the prefix this engine holds in any
+    tier ends now, at most `first`: the router's view is a report old; admission loads a host or
+    disk prefix back first, then reads the inbox from its end), or None when this engine would
+    not read what it fetched: its load rule recomputes that many tokens rather than load them
+    (`auto` compares its measured rates: a small model on a CPU prefills a few blocks faster than
+    one load's fixed latency, so a short fetch would only be moved and dropped)."""
+    start = min(first, held_blocks(engine.tree, keys)[0])
+    tokens = (len(keys) - start) * engine.tree.block_size
+    rule = engine.opts.load_rule
+    if tokens <= 0 or rule == "recompute":
+        return None
+    if rule == "auto" and engine.rates.load_seconds([0, 0, 0, tokens]) > engine.rates.prefill_seconds(tokens):
+        return None
+    return start
 
 
 def export_prefix(tree, store, keys: Sequence[int], first: int = 0) -> tuple[int, torch.Tensor | None]:
@@ -108,13 +124,7 @@ def export_prefix(tree, store, keys: Sequence[int], first: int = 0) -> tuple[int
     (a prompt's chained block hashes, from its start) that `tree` caches in any tier, whole
     blocks only; (0, None) when none. Data that proves unreadable ends the run there."""
     bs = tree.block_size
-    node, matched = tree.match(list(keys))
-    if not matched:
-        return 0, None
-    path = node.path()
-    last = path[-1]
-    if matched == last.start + len(last.blocks) and last.tail_tokens < bs:
-        matched -= 1                      # its last matched block is partial: not a whole block
+    matched, path = held_blocks(tree, keys)
     lo, hi = first * bs, matched * bs     # token range to send
     parts = []
     for n in path:
