@@ -1,4 +1,4 @@
-"""`pbkv gen` and `pbkv trace stats|split|flatten`: make and inspect workflow traces."""
+"""`pbkv gen` and `pbkv trace stats|split|flatten|repair|import|export`: make and inspect workflow traces."""
 
 from __future__ import annotations
 
@@ -81,6 +81,35 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
         trace = flatten(read_trace(file))
     write_trace(trace, output)
     console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
+
+
+@trace_app.command("repair")
+def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
+    """Keep the whole runs of a trace whose writer was killed mid-write (`serve --record`)."""
+    import os
+    import tempfile
+
+    from pbkv.trace import read_trace
+    from pbkv.trace.repair import repair
+
+    with exit_on_error():
+        fixed = repair(file)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(fixed.data)
+        try:
+            trace = read_trace(tmp)      # what is kept must be a valid trace
+        except Exception:
+            os.unlink(tmp)
+            raise
+        os.replace(tmp, output)
+    if fixed.cut_line is None:
+        console.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")
+    else:
+        console.print(f"{file}: ends inside line {fixed.cut_line}; dropped that run ({fixed.dropped_calls} whole "
+                      f"call lines and the cut line); kept {len(trace.calls)} calls of "
+                      f"{len(trace.workflows())} workflows in {output}")
 
 
 @trace_app.command("import")

@@ -20,8 +20,8 @@ Loads come from Ray's queue-length cache when it has a fresh entry, else from th
 KV movement: a decision to fetch a prefix from another replica is written into the call's hints
 (`adapter.mark_fetch`); replicas that can act on it (`pbkv serve --replicas`: `scale/replica.py`)
 ask the source for the blocks with a call pinned to it (`{"pin": id}`: that replica alone is
-returned, or every candidate when it is gone). Other deployments cannot, so `can_fetch` defaults to False here (the router then never
-plans a transfer); `pbkv serve --replicas` sets it.
+returned, or every candidate when it is gone). Other deployments cannot, so `can_fetch` defaults
+to False here (the router then never plans a transfer); `pbkv serve --replicas` sets it.
 Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
 Ray pickles this module BY VALUE (`RequestRouterConfig` registers it so): module-level state here
 would be copied into every deployment, so the process-wide registry of routers (for

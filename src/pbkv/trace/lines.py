@@ -101,6 +101,17 @@ def parse_json(text: str, where: str):
     return value
 
 
+def _parse_line(text: str, where: str, cut: bool):
+    """`parse_json`, saying so when the file ends inside this line (no newline after it)."""
+    try:
+        return parse_json(text, where)
+    except TraceError as e:
+        if not cut:
+            raise
+        raise TraceError(f"{e}; the file ends inside this line (its writer killed while writing?): "
+                         f"`pbkv trace repair FILE -o OUT` keeps the whole runs before it") from None
+
+
 def read_lines(path: str | Path, name: str | None = None) -> Iterator[tuple[int, str, object]]:
     """Yield (line number, text, JSON value) for each non-blank line of a `.jsonl[.gz]` file."""
     path = Path(path)
@@ -120,6 +131,6 @@ def read_lines(path: str | Path, name: str | None = None) -> Iterator[tuple[int,
                 where = f"{name}:{line}"
                 text = _decode(raw, where)
                 if text.strip():
-                    yield line, text, parse_json(text, where)
+                    yield line, text, _parse_line(text, where, cut=not raw.endswith(b"\n"))
     except (OSError, EOFError, zlib.error) as e:  # closing a gzip file can check its trailer
         raise _read_error(name, line + 1, e) from None
