@@ -6,7 +6,7 @@ without pause; the test kills it with SIGKILL once several files exist, then rea
 Before runs were written in one system call, a kill could cut any run (or line) in half; with
 one `write` per run only the run being written can be cut (the kernel stops a large write
 between pages for a fatal signal: seen once in CI); `read_trace` reports a cut line with the
-file and line number."""
+file and line number, and `pbkv trace repair` keeps the whole runs before it."""
 
 import os
 import signal
@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from pbkv.trace import read_trace
+from pbkv.trace.repair import repair
 
 CHILD = """
 import sys
@@ -54,11 +55,10 @@ def test_kill_9_leaves_only_whole_runs(tmp_path):
             runs += 1
     assert runs >= 3 * 5  # at least three full files of 5 runs (40 calls each)
     text = files[-1].read_bytes()
-    end_of_run = b'"done":true}\n'
-    last = text.rfind(end_of_run)
-    whole = text[:last + len(end_of_run)] if last >= 0 else text[:text.find(b"\n") + 1]   # else: the header only
+    whole = repair(files[-1]).data      # the file being written, up to its last whole run
+    assert text.startswith(whole)
     cut = tmp_path / "whole-part.jsonl"
-    cut.write_bytes(whole)              # the file being written, up to its last whole run
+    cut.write_bytes(whole)
     for calls in read_trace(cut).workflows().values():
         assert [c.step for c in calls] == list(range(8)) and calls[-1].done
     assert b'"done":true' not in text[len(whole):]   # what follows is part of one run at most

@@ -39,7 +39,8 @@ def test_a_file_cut_inside_a_run_keeps_the_runs_before_it(tmp_path):
     out = tmp_path / "fixed.jsonl"
     r = runner.invoke(app, ["trace", "repair", str(f), "-o", str(out)])
     assert r.exit_code == 0, r.output
-    assert "ends inside line 12" in r.output and "2 whole call lines" in r.output and "kept 8 calls of 2" in r.output
+    said = " ".join(r.output.split())                        # the console wraps long lines
+    assert "ends inside line 12" in said and "2 whole call lines" in said and "kept 8 calls of 2" in said
     trace = read_trace(out)
     assert sorted(trace.workflows()) == ["w0", "w1"] and all(c[-1].done for c in trace.workflows().values())
 
@@ -56,7 +57,25 @@ def test_a_cut_first_run_leaves_the_metadata_and_a_whole_file_is_copied(tmp_path
     assert repair(g).cut_line is None and repair(g).data == whole
     out = tmp_path / "copy.jsonl"
     r = runner.invoke(app, ["trace", "repair", str(g), "-o", str(out)])
-    assert r.exit_code == 0 and "not cut" in r.output and out.read_bytes() == whole
+    assert r.exit_code == 0 and "not cut" in " ".join(r.output.split()) and out.read_bytes() == whole
+
+
+def test_a_recording_cut_at_a_line_end_drops_its_unfinished_run_another_trace_is_kept(tmp_path):
+    whole = recorded(tmp_path)
+    lines = whole.split(b"\n")
+    f = tmp_path / "cut.jsonl"
+    f.write_bytes(b"\n".join(lines[:11]) + b"\n")          # run w2: 2 whole lines, no done
+    assert sorted(read_trace(f).workflows()) == ["w0", "w1", "w2"]   # it reads: nothing says it is cut
+    fixed = repair(f)
+    assert (fixed.cut_line, fixed.dropped_calls, fixed.at_line_end) == (11, 2, True)
+    assert fixed.data == b"\n".join(lines[:9]) + b"\n"
+    out = tmp_path / "fixed.jsonl"
+    r = runner.invoke(app, ["trace", "repair", str(f), "-o", str(out)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 0 and "stops at line 11 without 'done'" in said and "kept 8 calls of 2" in said
+    g = tmp_path / "other.jsonl"                               # not a recording: runs need no done
+    g.write_bytes(b"\n".join([b'{"pbkv_trace":1,"block_size":16}'] + lines[9:11]) + b"\n")
+    assert repair(g).cut_line is None
 
 
 def test_what_repair_cannot_fix_is_an_error_and_writes_nothing(tmp_path):
@@ -66,7 +85,7 @@ def test_what_repair_cannot_fix_is_an_error_and_writes_nothing(tmp_path):
                     b'"output_length":1,"hash_ids":[1],"done":true}\n{"cut')
     out = tmp_path / "out.jsonl"
     r = runner.invoke(app, ["trace", "repair", str(bad), "-o", str(out)])
-    assert r.exit_code == 1 and "duplicate step 0" in r.output and not out.exists()
+    assert r.exit_code == 1 and "duplicate step 0" in " ".join(r.output.split()) and not out.exists()
     assert list(tmp_path.glob(".out.jsonl*")) == []
     with pytest.raises(TraceError, match="plain .jsonl files only"):
         repair(tmp_path / "x.jsonl.gz")

@@ -104,12 +104,15 @@ def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
             os.unlink(tmp)
             raise
         os.replace(tmp, output)
+    kept = f"kept {len(trace.calls)} calls of {len(trace.workflows())} workflows in {output}"
     if fixed.cut_line is None:
         console.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")
+    elif fixed.at_line_end:
+        console.print(f"{file}: its last run stops at line {fixed.cut_line} without 'done' (a write stopped at a "
+                      f"line's end); dropped that run ({fixed.dropped_calls} call lines); {kept}")
     else:
         console.print(f"{file}: ends inside line {fixed.cut_line}; dropped that run ({fixed.dropped_calls} whole "
-                      f"call lines and the cut line); kept {len(trace.calls)} calls of "
-                      f"{len(trace.workflows())} workflows in {output}")
+                      f"call lines and the cut line); {kept}")
 
 
 @trace_app.command("import")

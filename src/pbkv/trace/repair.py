@@ -7,10 +7,13 @@ such a file (the cut line is not JSON). `repair` keeps every line up to the last
 `done: true` before the cut (the last whole run) and drops the rest, saying what it dropped. A
 file whose last line is whole needs no repair and is kept as it is.
 
+A write can also stop exactly at a line's end: every line is whole and the file reads, but its
+last run has no `done`. In a file `pbkv serve` recorded (its metadata's `source`), where every
+run ends with `done: true`, that run is dropped the same way (`at_line_end`).
+
 Made for files written run after run (`--record`): in a trace whose workflows interleave, the
 calls of other workflows after the last `done` would be dropped too (their runs are unfinished
-in the file anyway). Not caught: a write stopped exactly at a line's end (every line whole); the
-file then reads, its last run without `done` (shorter than it was).
+in the file anyway).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from pbkv.trace.lines import TraceError, display_name
 @dataclass
 class Repair:
     data: bytes                 # the repaired file's bytes
-    cut_line: int | None        # the line the file ended inside (None: not cut)
+    cut_line: int | None        # the line the file ended inside, or its last (None: not cut)
     dropped_calls: int          # whole call lines of the cut run, dropped with it
+    at_line_end: bool = False   # cut at a line's end: the last line is whole, its run unfinished
 
 
 def repair(path: str | Path) -> Repair:
@@ -42,8 +46,12 @@ def repair(path: str | Path) -> Repair:
         raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
     lines = raw.split(b"\n")
     tail = lines.pop()                     # after the last newline: b"" unless the file is cut
-    if not tail.strip() or _is_json(tail):
-        return Repair(raw, None, 0)
+    at_line_end = not tail.strip() or _is_json(tail)
+    if at_line_end:
+        if tail.strip():
+            lines.append(tail)             # a last line without its newline, but whole
+        if not _recorded(lines) or _ends_a_run(lines):
+            return Repair(raw, None, 0)
     keep = 0                               # lines kept: up to the last whole run's end
     for i, line in enumerate(lines):
         obj = _json(line)
@@ -51,7 +59,21 @@ def repair(path: str | Path) -> Repair:
             keep = i + 1
     dropped = sum(1 for line in lines[keep:] if isinstance(_json(line), dict))
     kept = b"".join(line + b"\n" for line in lines[:keep])
-    return Repair(kept, len(lines) + 1, dropped)
+    last = len(lines) if at_line_end else len(lines) + 1
+    return Repair(kept, last, dropped, at_line_end)
+
+
+def _recorded(lines: list[bytes]) -> bool:
+    """The file's first line is the metadata `pbkv serve --record` writes."""
+    first = next((_json(line) for line in lines if line.strip()), None)
+    meta = first.get("pbkv_trace") if isinstance(first, dict) else None
+    return str(first.get("source", "")).startswith("pbkv serve") if isinstance(meta, (int, str)) else False
+
+
+def _ends_a_run(lines: list[bytes]) -> bool:
+    """The last line is the metadata alone or a call with `done: true`."""
+    last = next((_json(line) for line in reversed(lines) if line.strip()), None)
+    return isinstance(last, dict) and ("pbkv_trace" in last or last.get("done") is True)
 
 
 def _json(line: bytes):
