@@ -58,7 +58,7 @@ class PeerInbox:
             self._drop(keys[i])
             block = kv[:, :, :, i * bs:(i + 1) * bs].contiguous()
             self.blocks[keys[i]] = block
-            self.bytes += block.numel() * block.element_size()
+            self.bytes += _nbytes(block)
         self.counters.blocks_received += n
         while self.bytes > self.max_bytes and self.blocks:
             self._drop(next(iter(self.blocks)))
@@ -67,7 +67,7 @@ class PeerInbox:
     def _drop(self, key: int) -> None:
         block = self.blocks.pop(key, None)
         if block is not None:
-            self.bytes -= block.numel() * block.element_size()
+            self.bytes -= _nbytes(block)
             self.counters.blocks_unused += 1
 
     def has(self, key: int) -> bool:
@@ -81,12 +81,16 @@ class PeerInbox:
             block = self.blocks.pop(key, None)
             if block is None:
                 break
-            self.bytes -= block.numel() * block.element_size()
+            self.bytes -= _nbytes(block)
             parts.append(block)
         self.counters.blocks_read += len(parts)
         if not parts:
             return None
         return torch.cat(parts, dim=3).to(self.device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def held_blocks(tree, keys: Sequence[int]) -> tuple[int, list]:
@@ -107,16 +111,11 @@ def fetch_start(engine, keys: Sequence[int], first: int) -> int | None:
     tier ends now, at most `first`: the router's view is a report old; admission loads a host or
     disk prefix back first, then reads the inbox from its end), or None when this engine would
     not read what it fetched: its load rule recomputes that many tokens rather than load them
-    (`auto` compares its measured rates: a small model on a CPU prefills a few blocks faster than
-    one load's fixed latency, so a short fetch would only be moved and dropped)."""
+    (`SharedOps.would_read_outside`, the rule admission applies to these blocks: a short fetch
+    would only be moved and dropped)."""
     start = min(first, held_blocks(engine.tree, keys)[0])
     tokens = (len(keys) - start) * engine.tree.block_size
-    rule = engine.opts.load_rule
-    if tokens <= 0 or rule == "recompute":
-        return None
-    if rule == "auto" and engine.rates.load_seconds([0, 0, 0, tokens]) > engine.rates.prefill_seconds(tokens):
-        return None
-    return start
+    return start if tokens > 0 and engine.would_read_outside(tokens) else None
 
 
 def export_prefix(tree, store, keys: Sequence[int], first: int = 0) -> tuple[int, torch.Tensor | None]:

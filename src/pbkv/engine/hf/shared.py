@@ -122,6 +122,15 @@ class SharedOps:
     (a `PeerInbox`: blocks other replicas sent), `tree`,
     `rates`, `opts`, `stats`, `store`, `tokenize` and `_prompts`. Runs on the engine thread."""
 
+    def would_read_outside(self, tokens: int) -> bool:
+        """Whether this engine's load rule reads `tokens` tokens of KV from outside it (another
+        replica, the shared directory) rather than recompute them: `auto` compares the measured
+        rates (a small model on a CPU prefills a few blocks faster than one load's fixed latency)."""
+        rule = self.opts.load_rule
+        if rule == "recompute":
+            return False
+        return rule != "auto" or self.rates.load_seconds([0, 0, 0, tokens]) <= self.rates.prefill_seconds(tokens)
+
     def _shared_keys(self, req) -> list[int]:
         tokens = self._prompts.get(id(req)) or self.tokenize(req.call)
         return block_hashes(tokens, self.tree.block_size)
@@ -139,8 +148,7 @@ class SharedOps:
             return None, None
         keys = self._shared_keys(req)
         want = min(last * bs, cap) - device
-        if not any(s.has(keys[first]) for s in sources) or (self.opts.load_rule == "auto" and
-                                       self.rates.load_seconds([0, 0, 0, want]) > self.rates.prefill_seconds(want)):
+        if not any(s.has(keys[first]) for s in sources) or not self.would_read_outside(want):
             return None, keys
         start = time.perf_counter()
         kv = _read_chain(sources, keys[first:last], bs)
