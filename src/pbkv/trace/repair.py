@@ -24,6 +24,8 @@ from pathlib import Path
 
 from pbkv.trace.lines import TraceError, display_name
 
+BAD = object()                             # what `_json` gives for a line that is not JSON
+
 
 @dataclass
 class Repair:
@@ -46,33 +48,33 @@ def repair(path: str | Path) -> Repair:
         raise TraceError(f"{name}: cannot read ({e.strerror or e})") from None
     lines = raw.split(b"\n")
     tail = lines.pop()                     # after the last newline: b"" unless the file is cut
-    at_line_end = not tail.strip() or _is_json(tail)
-    if at_line_end:
-        if tail.strip():
-            lines.append(tail)             # a last line without its newline, but whole
-        if not _recorded(lines) or _ends_a_run(lines):
-            return Repair(raw, None, 0)
+    at_line_end = not tail.strip() or _json(tail) is not BAD
+    if tail.strip() and at_line_end:
+        lines.append(tail)                 # a last line without its newline, but whole
+    objs = [_json(line) if line.strip() else None for line in lines]   # each line parsed once
+    present = [o for o, line in zip(objs, lines) if line.strip()]
+    if at_line_end and not (_recorded(present) and not _ends_a_run(present)):
+        return Repair(raw, None, 0)
     keep = 0                               # lines kept: up to the last whole run's end
-    for i, line in enumerate(lines):
-        obj = _json(line)
+    for i, obj in enumerate(objs):
         if isinstance(obj, dict) and ("pbkv_trace" in obj and not keep or obj.get("done") is True):
             keep = i + 1
-    dropped = sum(1 for line in lines[keep:] if isinstance(_json(line), dict))
+    dropped = sum(1 for obj in objs[keep:] if isinstance(obj, dict))
     kept = b"".join(line + b"\n" for line in lines[:keep])
     last = len(lines) if at_line_end else len(lines) + 1
     return Repair(kept, last, dropped, at_line_end)
 
 
-def _recorded(lines: list[bytes]) -> bool:
+def _recorded(objs: list) -> bool:
     """The file's first line is the metadata `pbkv serve --record` writes."""
-    first = next((_json(line) for line in lines if line.strip()), None)
-    meta = first.get("pbkv_trace") if isinstance(first, dict) else None
-    return str(first.get("source", "")).startswith("pbkv serve") if isinstance(meta, (int, str)) else False
+    first = objs[0] if objs else None
+    return (isinstance(first, dict) and "pbkv_trace" in first
+            and str(first.get("source", "")).startswith("pbkv serve"))
 
 
-def _ends_a_run(lines: list[bytes]) -> bool:
+def _ends_a_run(objs: list) -> bool:
     """The last line is the metadata alone or a call with `done: true`."""
-    last = next((_json(line) for line in reversed(lines) if line.strip()), None)
+    last = objs[-1] if objs else None
     return isinstance(last, dict) and ("pbkv_trace" in last or last.get("done") is True)
 
 
@@ -80,8 +82,4 @@ def _json(line: bytes):
     try:
         return json.loads(line)
     except ValueError:                     # includes UnicodeDecodeError
-        return None
-
-
-def _is_json(line: bytes) -> bool:
-    return _json(line) is not None or line.strip() == b"null"
+        return BAD
