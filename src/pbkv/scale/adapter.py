@@ -30,28 +30,30 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 from pbkv.route import ReplicaSnapshot, RouteRequest
 from pbkv.route.base import home
 from pbkv.scale.llm_hints import LLMCall, TextChunks, find_llm_call
 
 
+def dict_args(args: Iterable, kwargs: Mapping | None = None) -> Iterator[Mapping]:
+    """A call's arguments, then its keyword values, that are dicts (where hints travel)."""
+    for value in list(args) + list((kwargs or {}).values()):
+        if isinstance(value, Mapping):
+            yield value
+
+
 def hints_dict(args: Iterable, kwargs: Mapping | None = None) -> Mapping | None:
     """The first argument (or keyword value) that is a dict with `workflow_id` and `hash_ids`."""
-    for value in list(args) + list((kwargs or {}).values()):
-        if isinstance(value, Mapping) and "workflow_id" in value and "hash_ids" in value:
-            return value
-    return None
+    return next((d for d in dict_args(args, kwargs) if "workflow_id" in d and "hash_ids" in d), None)
 
 
 def pinned(args: Iterable, kwargs: Mapping | None = None) -> str | None:
     """The replica id a call names in a `{"pin": id}` dict argument (a replica's request for KV
     from one given replica), else None."""
-    for value in list(args) + list((kwargs or {}).values()):
-        if isinstance(value, Mapping) and "pin" in value and "hash_ids" not in value:
-            return str(value["pin"])
-    return None
+    pin = next((d for d in dict_args(args, kwargs) if "pin" in d and "hash_ids" not in d), None)
+    return None if pin is None else str(pin["pin"])
 
 
 def mark_fetch(hints: dict, decision, views: "list[MergedView]") -> None:

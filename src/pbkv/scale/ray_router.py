@@ -37,8 +37,8 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import (Overlay, hinted_call, hints_dict, mark_fetch, pinned, register_router,
-                                with_reported_reuse)
+from pbkv.scale.adapter import (Overlay, dict_args, hinted_call, hints_dict, mark_fetch, pinned,
+                                register_router, with_reported_reuse)
 from pbkv.scale.llm_hints import TextChunks
 
 
@@ -114,8 +114,7 @@ class PBKVRequestRouter(RequestRouter):
 def _without_avoided(candidates: List[RunningReplica], pending: PendingRequest) -> List[RunningReplica]:
     """The candidates minus the replicas the request's hints say to avoid, unless none would remain."""
     avoid = set()
-    for value in list(pending.args) + list((pending.kwargs or {}).values()):
-        if isinstance(value, dict) and value.get("avoid"):
-            avoid.update(str(a) for a in value["avoid"])
+    for value in dict_args(pending.args, pending.kwargs):
+        avoid.update(str(a) for a in value.get("avoid") or ())
     kept = [r for r in candidates if r.replica_id.unique_id not in avoid]
     return kept or candidates
