@@ -1,0 +1,51 @@
+"""examples/ablation_policies.py: every ablation loads by `module:Class` and runs a small
+simulated replay next to pbkv (the docs' diagnosis commands use them)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pbkv.bench.run import RunConfig, Workload, simulate
+from pbkv.cache import CacheConfig
+from pbkv.engine.profiles import load_profile
+from pbkv.policy.pbkv import DEAD_P, PBKVPolicy
+from pbkv.policy.registry import needed_predictor, policy_class
+from pbkv.predict.markov import fit_markov_seqs
+from pbkv.workloads import generate, load_spec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NAMES = ["NoDead", "NoRetired", "NoStaleness", "NoCommon", "Dead02", "Dead10", "Dead20", "Dead35"]
+
+
+@pytest.fixture(scope="module")
+def hover():
+    sys.path.insert(0, str(EXAMPLES))
+    spec = load_spec("hover")
+    workload = Workload("hover", generate(spec, 20, 3), spec.edges())
+    train = Workload("hover", generate(spec, 60, 1), spec.edges())
+    yield workload, fit_markov_seqs([[c.agent for c in w] for w in train.workflows], horizon=3)
+    sys.path.remove(str(EXAMPLES))
+
+
+def run(workload, predictor, policy):
+    return simulate(workload, RunConfig(policy=policy, concurrency=8, profile=load_profile("a6000-qwen3-32b"),
+                                        cache=CacheConfig(12000, 12000, 0),
+                                        predictors={needed_predictor(policy): predictor}, live_predictions=True))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_ablation_is_pbkv_with_one_rule_changed_and_runs(hover, name):
+    workload, predictor = hover
+    cls = policy_class(f"ablation_policies:{name}")
+    assert issubclass(cls, PBKVPolicy) and cls.name != PBKVPolicy.name
+    r = run(workload, predictor, f"ablation_policies:{name}")
+    base = run(workload, predictor, "pbkv")
+    assert r["prompt_tokens"] == base["prompt_tokens"]
+    assert 0 < r["recomputed_tokens"] <= r["prompt_tokens"]
+
+
+def test_the_dead_thresholds_are_the_only_change(hover):
+    assert PBKVPolicy.dead_p == DEAD_P
+    assert [policy_class(f"ablation_policies:{n}").dead_p for n in NAMES] == [0.0, DEAD_P, DEAD_P, DEAD_P,
+                                                                              0.02, 0.10, 0.20, 0.35]
