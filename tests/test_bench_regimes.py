@@ -1,5 +1,7 @@
 """Memory regimes, verdict lines and the predictor cache of `pbkv bench`."""
 
+from pathlib import Path
+
 import pytest
 
 from pbkv.bench import predictors
@@ -122,3 +124,16 @@ def test_a_run_loads_only_the_predictor_its_policy_reads(monkeypatch):
     got = {job[1]: sweep._run_one(job)["predictors"] for job in sweep_jobs(cfg)}
     assert got == {"lru": [], "arc": [], "pbkv": ["fused"]}
     assert loaded == ["F"]
+
+
+def test_verdict_peers_leave_out_pbkv_subclasses_and_future_readers(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+
+    def rec(policy, speedup):
+        return {"workload": "swe", "policy": policy, "concurrency": 8, "tiers": "device", "pressure": 0.05,
+                "speedup_vs_lru": speedup}
+    records = [rec("lru", 1.0), rec("pbkv", 1.1), rec("ablation_policies:NoDead", 1.3),
+               rec("pbkv-perfect", 1.25), rec("slru", 1.02), rec("vllm", 1.04), rec("oracle", 1.2)]
+    assert verdicts(records) == [
+        "swe: pbkv 1.10x LRU, 1.06x the best peer (vllm), 50% of the oracle's gain (1.20x) "
+        "[device, pressure 0.05, conc 8]"]

@@ -8,6 +8,7 @@ and how much of the oracle's gain it captured, in each memory regime (largest or
 from __future__ import annotations
 
 from pbkv.bench.report import regime_of
+from pbkv.policy.registry import UnknownPolicy, needs_future, policy_class
 
 SUBJECT = "pbkv"
 REFERENCES = ("lru", "oracle")
@@ -31,11 +32,25 @@ def _cells(rows: list[dict], subject: str) -> list[dict]:
         by = {r["policy"]: r.get("speedup_vs_lru", 1.0) for r in mine}
         if subject not in by:
             continue
-        peers = {p: s for p, s in by.items() if p not in REFERENCES and not p.startswith(subject)}
+        peers = {p: s for p, s in by.items() if _is_peer(p, subject)}
         best = max(peers, key=peers.get) if peers else None
         cells.append({"row": mine[0], "subject": by[subject], "oracle": by.get("oracle"),
                       "peer": best, "peer_speedup": peers.get(best)})
     return sorted(cells, key=lambda c: -(c["oracle"] or 1.0))
+
+
+def _is_peer(name: str, subject: str) -> bool:
+    """A policy a user could pick instead of the subject: not a reference, not a variant of the
+    subject (by name, or an out-of-tree subclass such as examples/ablation_policies.py's), and
+    not a diagnostic that reads the replayed trace's future. A name the registry does not know
+    (a record from another engine, e.g. "vllm") counts as a peer."""
+    if name in REFERENCES or name.startswith(subject):
+        return False
+    try:
+        cls, base = policy_class(name), policy_class(subject)
+    except UnknownPolicy:
+        return True
+    return not issubclass(cls, base) and not needs_future(name)
 
 
 def _segment(c: dict, subject: str) -> str:
