@@ -84,3 +84,19 @@ def test_a_replicas_report_draws_a_workflow_it_served():
     rec.started(llm_call(served, RawRequestInfo({"x-workflow-id": "w9"})))
     replicas = [FakeReplica("a"), FakeReplica("b", rec.stats())]
     assert choose(router(), replicas, request("w9", turns=3)) == [["b"]]
+
+
+def test_with_measured_costs_the_router_weighs_what_the_replicas_report():
+    measured = router()
+    measured.initialize_state(config={"prefill_s_per_token": 1e-3, "queue_s_per_request": 0.01}, measured_costs=True)
+    fixed = router()
+    replicas = [FakeReplica("r0", {"costs": {"prefill_s_per_token": 2e-5}}),
+                FakeReplica("r1", {"costs": {"prefill_s_per_token": 4e-5, "transfer_s_per_token": 1e-6}})]
+    for r in (measured, fixed):
+        choose(r, replicas, request("w"))
+    assert measured.pbkv_router.config.prefill_s_per_token == pytest.approx(3e-5)
+    assert measured.pbkv_router.config.transfer_s_per_token == 1e-6
+    assert measured.pbkv_router.config.queue_s_per_request == 0.01    # not measured: as configured
+    assert fixed.pbkv_router.config.prefill_s_per_token == 1e-3       # off by default
+    choose(measured, [FakeReplica("r0"), FakeReplica("r1")], request("w2"))
+    assert measured.pbkv_router.config.prefill_s_per_token == 1e-3    # no report: the configured cost again

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pbkv.route import ReplicaSnapshot, RouteRequest, make_router
-from pbkv.scale.adapter import Overlay, route_request
+from pbkv.route import ReplicaSnapshot, RouteRequest, RouterConfig, make_router
+from pbkv.scale.adapter import Overlay, measured_config, route_request
 
 
 def test_route_request_finds_the_hints_dict():
@@ -96,3 +96,15 @@ def test_a_decision_to_fetch_is_written_into_the_call_s_hints_and_a_pin_is_read(
     mark_fetch(hints, RouteDecision("b"), views)
     assert "fetch" not in hints                                                # none now: the old one goes
     assert pinned([{"pin": "b"}, [1, 2]]) == "b" and pinned([hints]) is None and pinned([], {"x": {"pin": 7}}) == "7"
+
+
+def test_measured_costs_are_the_median_of_what_replicas_report_and_the_config_stands_elsewhere():
+    base = RouterConfig(prefill_s_per_token=1e-3, transfer_s_per_token=2e-6, queue_s_per_request=0.01)
+    assert measured_config(base, [None, {}, {"costs": {}}]) is base
+    stats = [{"costs": {"prefill_s_per_token": 3e-5}}, {"costs": {"prefill_s_per_token": 5e-5}},
+             {"costs": {"prefill_s_per_token": 1e-5, "transfer_s_per_token": 4e-7}},
+             {"costs": {"prefill_s_per_token": 0.0, "transfer_s_per_token": "fast"}}]   # not rates: ignored
+    cfg = measured_config(base, stats)
+    assert (cfg.prefill_s_per_token, cfg.transfer_s_per_token) == (3e-5, 4e-7)
+    assert (cfg.queue_s_per_request, cfg.can_fetch) == (0.01, True)
+    assert base.prefill_s_per_token == 1e-3                       # a copy: the configured costs stay

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pbkv.scale.failover import Action, decide, route_hints
@@ -120,6 +121,22 @@ def test_a_replica_reports_the_blocks_it_holds_per_tier_and_its_workflows():
     policy = type("P", (), {"reuse_probability": lambda self, w: 0.25 if w == run.workflow else None})()
     engine.policy = policy
     assert cache_stats(engine, table, 3, "r0")["reuse"] == {"wf": 0.25}
+
+
+def test_a_replica_reports_the_costs_it_measured_and_nothing_before():
+    from pbkv.cache import RadixTree
+    from pbkv.engine.hf.transfer import Rates
+    from pbkv.scale.replica import cache_stats
+    from pbkv.serve.workflows import WorkflowTable
+
+    engine = type("E", (), {"tree": RadixTree(4), "rates": Rates(kv_bytes=64)})()
+    assert cache_stats(engine, WorkflowTable(), 0, "r0")["costs"] == {}   # the prior rate is no measurement
+    engine.rates.saw_prefill(8, 1.0)                                      # too small to count
+    assert cache_stats(engine, WorkflowTable(), 0, "r0")["costs"] == {}
+    engine.rates = Rates(kv_bytes=64, alpha=1.0)
+    engine.rates.saw_prefill(400, 0.01)                                   # 40,000 tokens/s
+    costs = cache_stats(engine, WorkflowTable(), 0, "r0", fetch_s_per_token=2e-6)["costs"]
+    assert costs == {"prefill_s_per_token": pytest.approx(2.5e-5), "transfer_s_per_token": 2e-6}
 
 
 def test_one_replica_serves_in_process_without_importing_ray():

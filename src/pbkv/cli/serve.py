@@ -64,6 +64,9 @@ def serve(
     replica_cpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray CPUs reserved per replica.",
                                                 min=0)] = 1.0,
     replica_gpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray GPUs per replica.", min=0)] = 0.0,
+    measured_costs: Annotated[bool, typer.Option(help="With --replicas > 1: the router weighs the prefill and "
+                                                 "KV-transfer costs the replicas measure and report, instead of "
+                                                 "fixed estimates (CPU costs without CUDA, GPU defaults with).")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
@@ -90,14 +93,15 @@ def serve(
                       max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
                       keep_alive=keep_alive, threads=threads)
     if replicas == 1:
-        if ray_address is not None or router is not None:
-            console.print("[yellow]warning:[/yellow] --router and --ray-address apply only with --replicas > 1")
+        if ray_address is not None or router is not None or measured_costs:
+            console.print("[yellow]warning:[/yellow] --router, --ray-address and --measured-costs apply only with "
+                          "--replicas > 1")
         with exit_on_error():
             run(cfg, log_level=log_level)
         return
     from pbkv.scale.options import ReplicaOptions, check_options
     opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
-                          replica_gpus=replica_gpus)
+                          replica_gpus=replica_gpus, measured_costs=measured_costs)
     with exit_on_error():
         check_options(opts)          # before the Ray import: a bad option is refused with or without Ray
     try:

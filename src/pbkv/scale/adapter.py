@@ -23,6 +23,11 @@ another replica, the hints dict gains `fetch` = {"from": replica id, "first": bl
 replica already caches, "blocks": blocks to move}, which the chosen replica acts on before it
 queues the call (`pbkv.scale.replica`); its request for the blocks names that replica in a `pin`
 dict, which the Ray router honours as it is (`pinned`).
+
+Measured costs (`measured_config`): a replica may report `costs` in its stats, the rates it
+measured (`MEASURED`: seconds per prefilled token from its engine, seconds per token of KV it
+fetched from another replica); the router's costs then follow the median over the replicas that
+report each one, the configured value standing where none does.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
-from pbkv.route import ReplicaSnapshot, RouteRequest
+from pbkv.route import ReplicaSnapshot, RouteRequest, RouterConfig
 from pbkv.route.base import home
 from pbkv.scale.llm_hints import LLMCall, TextChunks, find_llm_call
 
@@ -94,6 +99,29 @@ def with_reported_reuse(request: RouteRequest, views: "list[MergedView]") -> Rou
     view, _ = home(request, views)
     p = None if view is None else view.reuse_probability(request.workflow_id)
     return request if p is None else dataclasses.replace(request, reuse_probability=p)
+
+
+MEASURED = ("prefill_s_per_token", "transfer_s_per_token")   # RouterConfig fields replicas may measure
+
+
+def measured_config(base: RouterConfig, stats: Iterable[Mapping | None]) -> RouterConfig:
+    """`base` with each `MEASURED` cost set to the median of the positive values the replicas'
+    `stats` report under `costs` (unchanged where none reports one)."""
+    reported: dict[str, list[float]] = {name: [] for name in MEASURED}
+    for s in stats:
+        costs = (s or {}).get("costs") or {}
+        for name in MEASURED:
+            value = costs.get(name)
+            if isinstance(value, (int, float)) and value > 0:
+                reported[name].append(float(value))
+    changes = {name: _median(values) for name, values in reported.items() if values}
+    return dataclasses.replace(base, **changes) if changes else base
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def hinted_call(args: Iterable, kwargs: Mapping | None = None, chunks: TextChunks = TextChunks()) -> LLMCall | None:

@@ -11,7 +11,8 @@ in the trace is real; workflow hints; greedy, `ignore_eos`, outputs as the trace
 prompt tokens whose KV came from each tier (`shared`: the directory given by `--shared-dir`,
 which every replica reads and writes; each run gets a fresh subfolder), tokens computed by prefill, calls per replica, wall
 time and call latency p50/p99, and KV blocks moved between replicas on the router's decision
-(`peer_blocks_moved`; `--no-fetch` turns that off). Lengths are divided by `--scale` (outputs by
+(`peer_blocks_moved`; `--no-fetch` turns that off; `--measured-costs`: the router's prefill and
+transfer costs follow the replicas' measurements instead of `CPU_COSTS`). Lengths are divided by `--scale` (outputs by
 `--output-scale`).
 Then the routing overhead: 64 clients x 8 calls against 2 model-free `Probe` replicas (20 ms of
 service) with each router and with Ray's default one: end-to-end p50/p99 latency (and the
@@ -104,14 +105,14 @@ def run_cfg(cfg: ServeConfig, workload: str, router: str, args) -> ServeConfig:
 def run_one(cfg: ServeConfig, router: str, trace: Trace, args) -> dict:
     config = default_router_config() | {"can_fetch": False} if args.no_fetch else None
     opts = ReplicaOptions(replicas=args.replicas, router=router, app_name=f"bench-{router}", stats_period_s=0.5,
-                          router_config=config)
+                          router_config=config, measured_costs=args.measured_costs)
     with ReplicaServer(cfg, opts) as srv:
         start = time.perf_counter()
         lat = asyncio.run(replay(srv.url, trace, args.clients, args.max_tokens))
         wall = time.perf_counter() - start
         m = parse(httpx.get(f"{srv.url}/metrics", timeout=60).text)
     per_replica = {k.split('"')[1]: v for k, v in m.items() if k.startswith('pbkv_prompt_tokens_total{replica=')}
-    return {"router": router, "fetch": not args.no_fetch, "shared_dir": cfg.cache.shared_dir is not None,
+    return {"router": router, "fetch": not args.no_fetch, "measured_costs": args.measured_costs, "shared_dir": cfg.cache.shared_dir is not None,
             "calls": len(lat), "wall_s": round(wall, 1), "p50_s": round(_pct(lat, 0.5), 3),
             "p99_s": round(_pct(lat, 0.99), 3), "prompt_tokens": m["pbkv_prompt_tokens_total"],
             **{f"hit_{t}": m[f'pbkv_cache_hit_tokens_total{{tier="{t}"}}'] for t in ("device", "host", "disk", "shared")},
@@ -165,6 +166,8 @@ def main(argv=None) -> None:
                                         "default: no shared tier)")
     p.add_argument("--shared-bytes", type=int, default=1 << 30, help="bound of each run's shared subfolder")
     p.add_argument("--no-fetch", action="store_true", help="replicas never move KV between them (can_fetch False)")
+    p.add_argument("--measured-costs", action="store_true",
+                   help="the router weighs the prefill and transfer costs the replicas measure (else CPU_COSTS)")
     p.add_argument("--overhead-clients", type=int, default=64, help="0: skip the routing-overhead runs")
     p.add_argument("--out", help="write every row as JSON lines here")
     args = p.parse_args(argv)

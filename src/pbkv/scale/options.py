@@ -16,6 +16,7 @@ class ReplicaOptions:
     ray_address: str | None = None      # None: a local Ray started (and stopped) here
     app_name: str = "pbkv"
     stats_period_s: float = 1.0         # how often each replica reports its cache to the router
+    measured_costs: bool = False        # the router's prefill/transfer costs follow the replicas' reports
     replica_cpus: float = 1.0           # Ray CPUs reserved per replica
     replica_gpus: float = 0.0
 

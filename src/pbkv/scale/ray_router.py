@@ -22,7 +22,9 @@ KV movement: a decision to fetch a prefix from another replica is written into t
 ask the source for the blocks with a call pinned to it (`{"pin": id}`: that replica alone is
 returned, or every candidate when it is gone). Other deployments cannot, so `can_fetch` defaults
 to False here (the router then never plans a transfer); `pbkv serve --replicas` sets it.
-Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one).
+Set `config` to the replicas' real costs (a CPU model prefills ~1000x slower than a GPU one), or
+pass `measured_costs=True`: the prefill and KV-transfer costs then follow what the replicas
+measured and report (`adapter.measured_config`; `config` stands until a replica reports).
 Ray pickles this module BY VALUE (`RequestRouterConfig` registers it so): module-level state here
 would be copied into every deployment, so the process-wide registry of routers (for
 `decision_seconds`) lives in `pbkv.scale.adapter`, which is pickled by reference.
@@ -37,19 +39,21 @@ from typing import List, Optional
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pbkv.route import RouterConfig, make_router
-from pbkv.scale.adapter import (Overlay, dict_args, hinted_call, hints_dict, mark_fetch, pinned,
-                                register_router, with_reported_reuse)
+from pbkv.scale.adapter import (Overlay, dict_args, hinted_call, hints_dict, mark_fetch, measured_config,
+                                pinned, register_router, with_reported_reuse)
 from pbkv.scale.llm_hints import TextChunks
 
 
 class PBKVRequestRouter(RequestRouter):
     def initialize_state(self, router: str = "pbkv", config: dict | None = None, fallback: bool = False,
-                         chunk_chars: int = 64, chars_per_token: int = 4, **_):
+                         chunk_chars: int = 64, chars_per_token: int = 4, measured_costs: bool = False, **_):
         self.decision_s: deque[float] = deque(maxlen=10_000)   # seconds per hinted decision (the latest)
         register_router(self)
         self.fallback = fallback
         self.chunks = TextChunks(chunk_chars, chars_per_token)
-        self.pbkv_router = make_router(router, RouterConfig(**({"can_fetch": False} | (config or {}))))
+        self.base_config = RouterConfig(**({"can_fetch": False} | (config or {})))
+        self.measured_costs = measured_costs
+        self.pbkv_router = make_router(router, self.base_config)
         self.overlay = Overlay()
         self.decisions: dict[str, int] = {}
 
@@ -75,6 +79,9 @@ class PBKVRequestRouter(RequestRouter):
         start = time.perf_counter()
         candidate_replicas = _without_avoided(candidate_replicas, pending_request)
         views = self._views(candidate_replicas)
+        if self.measured_costs:
+            stats = (r.routing_stats for r in candidate_replicas)
+            self.pbkv_router.config = measured_config(self.base_config, stats)
         decision = self.pbkv_router.choose(with_reported_reuse(call.route, views), views)
         # remember the choice now, not only once Ray has sent the call: calls that arrive together
         # are chosen before any is sent, and would all see the same views and pick the same replica

@@ -10,8 +10,11 @@ Closing the stream early (the client went away, or Ray cancelled it) cancels the
 
 `record_routing_stats` reports the replica's cache for the router: `ReplicaSnapshot.to_stats()`
 (every block id it caches in any tier, each live workflow's tokens of KV and, when its policy
-predicts one, the probability the workflow calls again (`reuse`), its load = jobs in flight) plus `tiers` (block ids per tier) and a `seq` that changes with every report; it is
-taken on the engine thread, between two engine steps, like /metrics.
+predicts one, the probability the workflow calls again (`reuse`), its load = jobs in flight) plus
+`tiers` (block ids per tier), `costs` (what it measured: seconds per prefilled token, once its
+engine timed a prefill, and per token of KV fetched from another replica, once it fetched; the
+router uses them with `measured_costs`, `pbkv.scale.adapter.measured_config`) and a `seq` that
+changes with every report; it is taken on the engine thread, between two engine steps, like /metrics.
 
 KV movement: when the router decided that this call's prefix is better fetched from another
 replica than recomputed, `route` carries `fetch` (`pbkv.scale.adapter.mark_fetch`). Before
@@ -33,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 
 from pbkv.engine.hf.peer import fetch_start
 from pbkv.route import ReplicaSnapshot
@@ -52,7 +56,7 @@ def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=disk))
 
 
-def cache_stats(engine, table, load: float, replica_id: str) -> dict:
+def cache_stats(engine, table, load: float, replica_id: str, fetch_s_per_token: float | None = None) -> dict:
     """What a replica reports to the router (see the module docstring). Engine thread only."""
     names = {tier: name for name, tier in TIERS}
     tiers: dict[str, list[int]] = {name: [] for name, _ in TIERS}
@@ -69,7 +73,13 @@ def cache_stats(engine, table, load: float, replica_id: str) -> dict:
                 reuse[run.workflow_id] = float(p)
     blocks = frozenset(b for ids in tiers.values() for b in ids)
     snap = ReplicaSnapshot(replica_id, float(load), blocks, workflows, engine.tree.block_size, reuse)
-    return snap.to_stats() | {"tiers": tiers}
+    costs = {}
+    rates = getattr(engine, "rates", None)
+    if rates is not None and rates.prefills:
+        costs["prefill_s_per_token"] = 1.0 / rates.prefill_tps
+    if fetch_s_per_token is not None:
+        costs["transfer_s_per_token"] = fetch_s_per_token
+    return snap.to_stats() | {"tiers": tiers, "costs": costs}
 
 
 class EngineReplica:
@@ -81,13 +91,14 @@ class EngineReplica:
         self.state = build_state(replica_config(cfg, self.id))
         self.seq = 0
         self._peers = None   # the deployment's handle, to ask another replica for KV
+        self.fetch_s_per_token = None   # measured over this replica's fetches (running mean)
 
     # ------------------------------------------------------------------ the router's view
 
     async def record_routing_stats(self) -> dict:
         worker = self.state.worker
         stats = await asyncio.wrap_future(worker.call(
-            lambda: cache_stats(worker.engine, worker.table, worker.in_flight, self.id)))
+            lambda: cache_stats(worker.engine, worker.table, worker.in_flight, self.id, self.fetch_s_per_token)))
         self.seq += 1
         return stats | {"seq": self.seq}
 
@@ -133,6 +144,7 @@ class EngineReplica:
         if first is None:
             return 0
         want = end - first
+        start = time.perf_counter()
         try:
             if self._peers is None:
                 from ray import serve
@@ -146,7 +158,15 @@ class EngineReplica:
             return 0
         if not blocks:
             return 0
+        self._saw_fetch(blocks * worker.engine.tree.block_size, time.perf_counter() - start)
         return await asyncio.wrap_future(worker.call(lambda: worker.engine.peer.put(keys[first:first + blocks], kv)))
+
+    def _saw_fetch(self, tokens: int, seconds: float, alpha: float = 0.3) -> None:
+        """Seconds per token of a fetch (the request, the source's read, Ray's transfer and
+        deserialisation), as a running mean like the engine's own rates."""
+        rate = seconds / tokens
+        old = self.fetch_s_per_token
+        self.fetch_s_per_token = rate if old is None else old + alpha * (rate - old)
 
     async def export_prefix(self, pin: dict, keys: list[int], first: int):
         """(blocks, CPU KV) of this prompt's blocks `first`.. that this replica caches (`pin` names

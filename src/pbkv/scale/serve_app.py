@@ -56,7 +56,8 @@ def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
     config = default_router_config() if opts.router_config is None else opts.router_config
     config = {"can_fetch": True} | config   # replicas move KV between them (scale/replica.py)
     router_cfg = RequestRouterConfig(request_router_class=ROUTER_CLASS,
-                                     request_router_kwargs={"router": opts.router, "config": config},
+                                     request_router_kwargs={"router": opts.router, "config": config,
+                                                            "measured_costs": opts.measured_costs},
                                      request_routing_stats_period_s=opts.stats_period_s)
     deployment = serve.deployment(EngineReplica, name=DEPLOYMENT)
     return deployment.options(

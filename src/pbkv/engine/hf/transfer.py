@@ -93,6 +93,7 @@ class Rates:
     load_latency: float = 2e-3                  # fixed seconds per load
     decode_step: float = 0.01                   # seconds per decode step (all running requests)
     alpha: float = 0.3                          # weight of the newest measurement
+    prefills: int = 0                           # prefill measurements taken (0: prefill_tps is the prior)
 
     def _mix(self, old: float, new: float) -> float:
         return (1 - self.alpha) * old + self.alpha * new
@@ -100,6 +101,7 @@ class Rates:
     def saw_prefill(self, tokens: int, seconds: float) -> None:
         if tokens >= 16 and seconds > 0:  # tiny prefills are overhead, not throughput
             self.prefill_tps = self._mix(self.prefill_tps, tokens / seconds)
+            self.prefills += 1
 
     def saw_load(self, tier: int, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
