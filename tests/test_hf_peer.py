@@ -96,6 +96,33 @@ def test_a_fetch_starts_where_the_held_prefix_ends_and_only_if_the_load_rule_wou
     b.close()
 
 
+def test_no_fetch_when_the_prefix_held_below_the_device_would_be_recomputed(lm):
+    b = engine_for(lm, device=40, host=200, rule="auto")
+    serve(b, P[:8] + X, 2, "first")
+    serve(b, random_prompt(24, 36), 2, "second")              # P's first two blocks go to host
+    keys = block_hashes(P + Y, BS)[:6]
+    assert {n.tier.name for n in b.tree.iter_nodes() if n.blocks[0] == keys[0]} == {"HOST"}
+    b.rates.prefill_tps = 1000.0                              # reading 4 blocks from a peer pays,
+    b.rates.load_bps[1] = 1.0                                 # loading 2 from host does not
+    assert fetch_start(b, keys, first=4) is None
+    b.rates.load_bps[1] = 1e15                                # host loads pay: admission loads
+    assert fetch_start(b, keys, first=4) == 2                 # them, then reads the inbox
+    b.rates.load_bps[1] = 1.0
+    b.opts.load_rule = "load"
+    assert fetch_start(b, keys, first=4) == 2
+    # why: a call that recomputes the host part computes the rest too, inbox or not
+    b.opts.load_rule = "auto"
+    a = engine_for(lm)
+    serve(a, P + X, 2)
+    n, kv = a.export_prefix(keys, first=2)
+    assert b.peer.put(keys[2:2 + n], kv) == n == 4
+    got = serve(b, P + Y, 2)
+    assert got.hits()["shared"] == 0 and b.peer.counters.blocks_read == 0
+    assert_same_as_reference(lm, P + Y, got.result, 2)
+    a.close()
+    b.close()
+
+
 def test_the_inbox_is_bounded_oldest_blocks_dropped_first():
     box = PeerInbox(block_size=4, device=torch.device("cpu"), max_bytes=3 * 4 * 4)   # 3 blocks of 4 floats
     kv = torch.arange(20, dtype=torch.float32).reshape(1, 1, 1, 20, 1)

@@ -125,7 +125,7 @@ class CacheOps:
         if busy:
             if rule == "load" or (rule == "auto" and max(t.eta for t in busy) - self.clock.now() <= recompute):
                 return self._wait(req), None
-        elif rule == "load" or (rule == "auto" and self.rates.load_seconds(by_tier) <= recompute):
+        elif self.would_load(by_tier, recompute):
             move = self.cache.prepare_load(lower, keep_lock=True)
             if move is not None:
                 over = max(0, device + sum(by_tier) - cap)
@@ -138,6 +138,12 @@ class CacheOps:
             # recompute, keeping the result: room on the device for these nodes' fresh KV
             return None, self.cache.prepare_load(lower, keep_lock=True)
         return None, None
+
+    def would_load(self, by_tier: list[int], recompute_s: float) -> bool:
+        """The load rule for a prefix held below the device (`by_tier`: its tokens per tier):
+        load it back (True) or recompute it (`recompute_s`: seconds to recompute it)."""
+        rule = self.opts.load_rule
+        return rule == "load" or (rule == "auto" and self.rates.load_seconds(by_tier) <= recompute_s)
 
     def _wait(self, req: Request) -> str:
         if id(req) not in self._waited:  # count each request once, however often it is polled

@@ -110,12 +110,24 @@ def fetch_start(engine, keys: Sequence[int], first: int) -> int | None:
     """(engine thread) The block to fetch `keys` from (where the prefix this engine holds in any
     tier ends now, at most `first`: the router's view is a report old; admission loads a host or
     disk prefix back first, then reads the inbox from its end), or None when this engine would
-    not read what it fetched: its load rule recomputes that many tokens rather than load them
-    (`SharedOps.would_read_outside`, the rule admission applies to these blocks: a short fetch
-    would only be moved and dropped)."""
-    start = min(first, held_blocks(engine.tree, keys)[0])
+    not read what it fetched, by the rules admission applies: its load rule recomputes that many
+    tokens rather than load them (`SharedOps.would_read_outside`: a short fetch would only be
+    moved and dropped), or it would recompute the part of the prefix it holds below the device
+    (`would_load`), and a call that recomputes that part computes the rest too (admission reads
+    the inbox only after a prefix on the device or loaded back: seen as fetched blocks never read
+    on hover with 2 `tiny` replicas, whose prefill beats a host load's fixed latency)."""
+    held, path = held_blocks(engine.tree, keys)
+    start = min(first, held)
     tokens = (len(keys) - start) * engine.tree.block_size
-    return start if tokens > 0 and engine.would_read_outside(tokens) else None
+    if tokens <= 0 or not engine.would_read_outside(tokens):
+        return None
+    lower = [0, 0, 0]
+    for node in path:
+        if node.start < start and node.tier != Tier.DEVICE:
+            lower[node.tier] += min(node.tokens, (start - node.start) * engine.tree.block_size)
+    if sum(lower) and not engine.would_load(lower, engine.rates.prefill_seconds(sum(lower))):
+        return None
+    return start
 
 
 def export_prefix(tree, store, keys: Sequence[int], first: int = 0) -> tuple[int, torch.Tensor | None]:
