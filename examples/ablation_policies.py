@@ -55,29 +55,11 @@ class NoCommon(PBKVPolicy):
         self.scores.is_common = lambda node: False
 
 
-class Dead02(PBKVPolicy):
-    """The dead threshold (`pbkv.DEAD_P`, 0.05) moved to 0.02."""
-
-    name = "pbkv-dead02"
-    dead_p = 0.02
-
-
-class Dead10(PBKVPolicy):
-    """The dead threshold moved to 0.10."""
-
-    name = "pbkv-dead10"
-    dead_p = 0.10
+def dead_at(threshold: float) -> type[PBKVPolicy]:
+    """pbkv with the dead threshold (`pbkv.DEAD_P`, 0.05) moved to `threshold`."""
+    tag = f"{round(threshold * 100):02d}"
+    doc = f"The dead threshold moved to {threshold:g}."
+    return type(f"Dead{tag}", (PBKVPolicy,), {"name": f"pbkv-dead{tag}", "dead_p": threshold, "__doc__": doc})
 
 
-class Dead20(PBKVPolicy):
-    """The dead threshold moved to 0.20."""
-
-    name = "pbkv-dead20"
-    dead_p = 0.20
-
-
-class Dead35(PBKVPolicy):
-    """The dead threshold moved to 0.35."""
-
-    name = "pbkv-dead35"
-    dead_p = 0.35
+Dead02, Dead10, Dead20, Dead35 = (dead_at(t) for t in (0.02, 0.10, 0.20, 0.35))
