@@ -53,9 +53,9 @@ from pbkv.predict.monitor import END, QualityMonitor
 TRUST_STEPS = 10          # trust is acted on in tenths
 PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
 # Reuse probability within the horizon below which a node is "dead". Swept 0.02-0.35 on the 18
-# real-trace cells and the default bench (docs/benchmarks.md, "The dead threshold"): 0.1 closes
-# more of chatdev's device gap but loses latency on bfcl and tau and share on hover; no value wins
-# everywhere, so the value stays.
+# real-trace cells and the default bench (docs/benchmarks.md, "Which of pbkv's rules carry the
+# gain, and the dead threshold"): 0.1 closes more of chatdev's device gap but loses latency on
+# bfcl and tau and share on hover; no value wins everywhere, so the value stays.
 DEAD_P = 0.05
 DEAD_MIN_LEVEL = 5        # below this trust level no node is called dead (LRU decides)
 FINE_BUCKETS = 64         # at full trust, next-use times are compared to 1/64 of a mean step
