@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from pbkv.cache import Tier
+from pbkv.engine.base import tokens_by_tier
 from pbkv.engine.hf.disk import CorruptKV
 
 DEFAULT_INBOX_BYTES = 1 << 30   # 1 GiB of fetched KV waiting for its call
@@ -121,10 +122,7 @@ def fetch_start(engine, keys: Sequence[int], first: int) -> int | None:
     tokens = (len(keys) - start) * engine.tree.block_size
     if tokens <= 0 or not engine.would_read_outside(tokens):
         return None
-    lower = [0, 0, 0]
-    for node in path:
-        if node.start < start and node.tier != Tier.DEVICE:
-            lower[node.tier] += min(node.tokens, (start - node.start) * engine.tree.block_size)
+    lower = tokens_by_tier([n for n in path if n.tier != Tier.DEVICE])   # what admission would load
     if sum(lower) and not engine.would_load(lower, engine.rates.prefill_seconds(sum(lower))):
         return None
     return start
