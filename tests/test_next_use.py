@@ -158,3 +158,33 @@ def test_effective_time_ranks_by_reads_per_second():
     assert effective_time(5.0, 0.0, 0.0, far=9.0) == 9.0   # never within the horizon
     assert effective_time(5.0, 7.0, 1.0) == 7.0   # p = 1: the plain expected time
 
+
+
+def test_a_block_s_read_chance_is_its_staleness_at_each_predicted_call_not_now():
+    # ChatDev's review loop: p and its reviewer r alternate; r reads p's conversation (it sends
+    # block 5 again, which p sent first), p reads its own conversation of two calls back. An
+    # ended workflow teaches: p's block 6 is not read at r's call in state (a=1, c=2) and is
+    # read at p's call in (1, 3).
+    scores = ReuseScores(horizon=2)
+    nu = NextUse(scores, horizon=2)
+    st = nu.stale
+    for agent, blocks in [("p", [5, 6]), ("r", [5, 10]), ("p", [7]), ("r", [8]), ("p", [5, 6, 9])]:
+        st.call(1, agent, blocks)
+    st.end(1)
+    assert st.readers.of("p") == {"r"}
+    table = st.table(("p", 1))
+    q12, q13 = table[1 * 8 + 2], table[1 * 8 + 3]
+    assert (q12, q13) == (pytest.approx(1 / 2), 1.0)
+    # workflow 2 is where 1 was after its call 2: block 6 now in state (1, 2); r next, then p
+    for agent, blocks in [("p", [15, 16]), ("r", [15, 20]), ("p", [17])]:
+        st.call(2, agent, blocks)
+    probs, survival = [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]], [1.0, 1.0]
+    scores.bind({"p": 0, "r": 1})
+    scores.update(2, ["p", "r", "<unk>"], probs, survival)
+    nu.update(2, "p", 10.0, probs, survival, pending=False)
+    scores._extend_bits()                                # as `NextUse.of` does first
+    when, p = nu._read(2, 16, mask=0b1)
+    # r's call reads it with Q(1, 2), else p's call with Q(1, 3): the previous rule's cap was
+    # Q(1, 2) = 1/2 for the pair of calls
+    assert p == pytest.approx(q12 + (1 - q12) * q13) == pytest.approx(1.0)
+    assert nu._read(2, 99, mask=0b1) is None            # never sent: no staleness evidence

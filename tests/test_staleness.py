@@ -105,7 +105,7 @@ PLAN = ([[1, 0, 0, 0], [0, 1, 0, 0]], [1.0, 1.0])   # agent a next, then b
 def scenario(stale=True):
     cache, pol, _ = make({"w1": PLAN, "w2": PLAN, "w3": PLAN}, device=40)
     if not stale:
-        pol.next_use.stale.live = lambda w, block: 1.0
+        pol.next_use.stale.state = lambda w, block: None
     # an ended workflow teaches: a's conversation left unread for a call is rarely read again
     pol.on_workflow_start(3, "w3")
     for i, prompt in enumerate(["Ka", "Lb", "Lbc", "Lbcd"]):
@@ -127,7 +127,7 @@ def scenario(stale=True):
 
 def test_a_stale_conversation_goes_before_a_live_one_of_a_later_workflow():
     # both workflows call a next; w2 sooner. Without staleness w2's old conversation Ma is
-    # kept for that call; with it, Ma (passed over by two calls of a: p capped at 1/3) goes
+    # kept for that call; with it, Ma (passed over by two calls of a: read with p 1/3) goes
     # first, and w2's live conversation stays the last to go.
     retired = labels("Ka", "Lbcd", "Lbc", "Lb")
     assert eviction_order(scenario(stale=False)) == retired + labels("Na", "Ma", "Pbc", "Pb")

@@ -23,10 +23,12 @@ workflow is as good as dead).
 
 Staleness (`staleness.py`): the predictions are per agent, but an agent's workflow may not read
 all of that agent's cache again (an old conversation, a re-rendered prompt tail). Per workflow,
-a node's probability is capped at the learned chance that a call reading its agent's cache
-reads cache in the same state (calls of its agent that passed it over, calls of the workflow
-since it was sent), judged by the node's first block (if that block is read, the node is, at
-least in part), and its time stretched by the same ratio.
+a node that carries staleness evidence (its first block was sent by an earlier call: if that
+block is read, the node is, at least in part) is ranked by its own first-read distribution:
+as f_k(a) above, with each call's chance u_k scaled by Q, the learned chance that a call reading
+its agent's cache reads a block in the state this one will be in at call s+k (calls of its
+agent that passed it over, calls of the workflow since it was sent); p and E as above, p never
+above the agent-level p(a) (`NextUse._read`).
 
 A node's next use is the earliest over the (workflow, agent) pairs that may read it: the
 active workflows that used it, with their agents; and for a *common* node
@@ -52,7 +54,7 @@ import math
 from pbkv.cache import Node
 from pbkv.policy.extremes import Extremes
 from pbkv.policy.reuse_score import ReuseScores, bits
-from pbkv.policy.staleness import Staleness
+from pbkv.policy.staleness import BUCKETS, Staleness, bucket
 
 INF = math.inf
 
@@ -132,6 +134,8 @@ class NextUse:
         self.extremes = Extremes()               # per class: earliest E(a), largest p(a)
         self.stale = Staleness()                 # which of an agent's cache its workflow still reads; readers
         self.at: dict[int, float] = {}           # workflow -> time of its latest prediction
+        self.plan: dict[int, tuple] = {}         # workflow -> ([(t_k, s_k, P_k)], far) of it
+        self.reads: dict[int, dict] = {}         # workflow -> memo of `_read` until its next prediction
         self._groups_memo = None                 # (classes list, readers' version, _groups() of it)
 
     def _groups(self) -> list[list[int]]:
@@ -172,9 +176,11 @@ class NextUse:
                 if current in groups[a]:
                     when[a], prob[a], none[a] = now, 1.0, 0.0
         steps = min(self.horizon, len(survival))
+        plan = []
         for k in range(steps):
             row, s = [float(x) for x in probs[k]], float(survival[k])   # floats once, not per use
             issue = t + sum(row[a] * wait[a] for a in range(n))
+            plan.append((issue, s, row))
             for a in range(n):
                 f = none[a] * s * sum(row[b] for b in groups[a])
                 when[a] += f * issue
@@ -187,6 +193,8 @@ class NextUse:
             when[a] = effective_time(now, when[a], prob[a], far)
         self.when[workflow], self.prob[workflow] = when, prob
         self.at[workflow] = now
+        self.plan[workflow] = (plan, far)
+        self.reads.pop(workflow, None)
         return self._refresh_classes(workflow)
 
     def remove(self, workflow: int) -> list[int]:
@@ -196,6 +204,8 @@ class NextUse:
             return []
         self.prob.pop(workflow, None)
         self.at.pop(workflow, None)
+        self.plan.pop(workflow, None)
+        self.reads.pop(workflow, None)
         return self._refresh_classes(workflow)
 
     def of(self, node: Node) -> tuple[float, float]:
@@ -217,10 +227,8 @@ class NextUse:
 
     def _private(self, node: Node) -> tuple[float, float]:
         """Next use and reuse probability over the active workflows that used `node`. Per
-        workflow, the probability is capped by the node's staleness (`staleness.py`: how often
-        a call reading its agent's cache read cache in the same state, as many calls of its agent
-        and of the workflow after it), and the next use stretched to match (as `effective_time`
-        stretches by 1 / p)."""
+        workflow, a node with staleness evidence takes its own first-read distribution
+        (`_read`) where it is below the agent-level one."""
         scores = self.scores
         best, p = INF, 0.0
         n = len(scores.classes)
@@ -235,16 +243,53 @@ class NextUse:
                     wbest = when[c]
                 if prob[c] > wp:
                     wp = prob[c]
-            q = self.stale.live(w, node.blocks[0])
-            if q < wp:
-                at = self.at[w]
-                wbest = at + (wbest - at) * wp / q
-                wp = q
+            read = self._read(w, node.blocks[0], mask)
+            if read is not None and read[1] < wp:
+                wbest, wp = read
             if wbest < best:
                 best = wbest
             if wp > p:
                 p = wp
         return best, p
+
+    def _read(self, w: int, block: int, mask: int) -> tuple[float, float] | None:
+        """(ranking time, probability) that one of workflow w's predicted calls reads its cache
+        from `block` on, for a node its agents `mask` used: as p(a) and E(a), with each call's
+        chance scaled by the block's staleness in the state the block will be in at that call
+        (call s+k: c + k calls since its sender, a + the expected calls of its agent among the
+        k before). None when the block carries no staleness evidence (`Staleness.state`).
+
+        Why each call's own state, not the state now (the previous rule capped p(a) by Q now):
+        ChatDev's review loop alternates Code Reviewer and Programmer, and the Programmer reads
+        its own conversation of two calls back; at its next Programmer call the block is in
+        state (a=1, c=3) and read, while in state (1, 2), between, the next call is the
+        Reviewer's, which never reads it: Q(1, 2) ~ 0 called the live conversation dead."""
+        found = self.stale.state(w, block)
+        if found is None or w not in self.plan:
+            return None
+        memo = self.reads.setdefault(w, {})
+        hit = memo.get((found, mask))
+        if hit is not None:
+            return hit
+        key, a0, c0 = found
+        scores = self.scores
+        groups = self._groups()
+        readers = set()
+        for c in scores._classes_in(mask):
+            readers.update(groups[c])
+        own = scores.class_of(key[0])
+        table = self.stale.table(key)
+        plan, far = self.plan[w]
+        calls, none, when, p = 0.0, 1.0, 0.0, 0.0
+        for k, (issue, s, row) in enumerate(plan):
+            q = table[bucket(a0 + int(calls + 0.5)) * BUCKETS + bucket(c0 + k)]
+            f = none * s * q * sum(row[b] for b in readers)
+            when += f * issue
+            p += f
+            none -= f
+            calls += s * row[own]
+        result = memo[(found, mask)] = (effective_time(self.at[w], when, p, far), p)
+        return result
 
     @property
     def first(self) -> list[float]:

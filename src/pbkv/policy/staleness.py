@@ -16,7 +16,8 @@ log-sized buckets (0, 1, 2, 3, 4-7, 8-15, 16-31, 32+):
 is the probability that a call reading the agent's cache reads such a block, in that state (one
 pseudo-read keeps a state with no samples from being called dead on no evidence). In state
 (0, 0) (no call since its sender) there is no evidence about the block itself: 1. Whether such
-a call comes at all is the predictor's business: `NextUse` caps its probability with Q.
+a call comes at all is the predictor's business: `NextUse` scales each predicted call's chance
+by Q in the state the block will be in at that call (`state` gives it now).
 
 Why (issue 11, real traces): the agent predictions say *which agent* a workflow calls next, not
 *which of that agent's cache* the call reads. ChatDev's Programmer keeps one conversation per
@@ -157,18 +158,31 @@ class Staleness:
     def live(self, workflow: int, block: int) -> float:
         """Q for the workflow's cache starting at `block`; 1.0 when the workflow never sent it
         or made no call since."""
+        found = self.state(workflow, block)
+        if found is None:
+            return 1.0
+        key, passed, since = found
+        return self.table(key)[bucket(passed) * BUCKETS + bucket(since)]
+
+    def state(self, workflow: int, block: int) -> tuple | None:
+        """(key, a, c) of the workflow's block now: the next call of the workflow is a chance in
+        state (a + its agent's calls before it, c + calls before it); None when the workflow
+        never sent the block or made no call since (no evidence about it)."""
         last = self.blocks.get(workflow, {}).get(block)
         if last is None:
-            return 1.0
+            return None
         sender, then, key = last
         since = len(self.seq[workflow]) - 1 - sender
         if since <= 0:
-            return 1.0
+            return None
+        return key, self.agent_calls[workflow][key[0]] - then, since
+
+    def table(self, key: tuple) -> list[float]:
+        """Q by state (index a_bucket * BUCKETS + c_bucket) for `key`."""
         table = self._tables.get(key)
         if table is None:
             table = self._tables[key] = self._build(key)
-        passed = self.agent_calls[workflow][key[0]] - then
-        return table[bucket(passed) * BUCKETS + bucket(since)]
+        return table
 
     @staticmethod
     def _row(table: dict[tuple, list[int]], key: tuple) -> list[int]:
