@@ -122,6 +122,22 @@ def effective_time(now: float, weighted: float, p: float, far: float = INF) -> f
     return now + (weighted / p - now) / p
 
 
+def first_read(plan: list[tuple], readers, scale: list[float] | None = None) -> tuple[float, float]:
+    """(sum_k f_k t_k, p = sum_k f_k) of the first call in `plan` ([(t_k, s_k, P_k)]) whose agent
+    is one of `readers`: f_k = (1 - p before k) * s_k * sum_{b in readers} P_k[b], each chance
+    times scale[k] when given (staleness at call k, `NextUse._read`)."""
+    none, weighted, p = 1.0, 0.0, 0.0
+    for k, (issue, s, row) in enumerate(plan):
+        f = none * s
+        if scale is not None:
+            f *= scale[k]
+        f *= sum(row[b] for b in readers)
+        weighted += f * issue
+        p += f
+        none -= f
+    return weighted, p
+
+
 class NextUse:
     """Expected next-use time and reuse probability of nodes, per agent class and workflow."""
 
@@ -167,29 +183,26 @@ class NextUse:
         wait = [timing.of(timing.wait, c) for c in classes]
         n = len(classes)
         groups = self._groups()
-        when, prob, none = [0.0] * n, [0.0] * n, [1.0] * n
         t = now
+        current = None
         if pending:
             t += timing.of(timing.duration, agent)       # expected end of the running call
             current = self.scores.class_of(agent)
-            for a in range(n):
-                if current in groups[a]:
-                    when[a], prob[a], none[a] = now, 1.0, 0.0
         steps = min(self.horizon, len(survival))
         plan = []
         for k in range(steps):
             row, s = [float(x) for x in probs[k]], float(survival[k])   # floats once, not per use
             issue = t + sum(row[a] * wait[a] for a in range(n))
             plan.append((issue, s, row))
-            for a in range(n):
-                f = none[a] * s * sum(row[b] for b in groups[a])
-                when[a] += f * issue
-                prob[a] += f
-                none[a] -= f
             t = issue + sum(row[a] * dur[a] for a in range(n))
         last = float(survival[steps - 1]) if steps else 0.0
         far = t + timing.step / max(last, 0.05)   # "not within the horizon" (a dying workflow: later)
+        when, prob = [0.0] * n, [0.0] * n
         for a in range(n):
+            if current is not None and current in groups[a]:
+                when[a], prob[a] = now, 1.0              # the running call reads it now
+            else:
+                when[a], prob[a] = first_read(plan, groups[a])
             when[a] = effective_time(now, when[a], prob[a], far)
         self.when[workflow], self.prob[workflow] = when, prob
         self.at[workflow] = now
@@ -280,14 +293,11 @@ class NextUse:
         own = scores.class_of(key[0])
         table = self.stale.table(key)
         plan, far = self.plan[w]
-        calls, none, when, p = 0.0, 1.0, 0.0, 0.0
-        for k, (issue, s, row) in enumerate(plan):
-            q = table[bucket(a0 + int(calls + 0.5)) * BUCKETS + bucket(c0 + k)]
-            f = none * s * q * sum(row[b] for b in readers)
-            when += f * issue
-            p += f
-            none -= f
+        scale, calls = [], 0.0
+        for k, (_, s, row) in enumerate(plan):
+            scale.append(table[bucket(a0 + int(calls + 0.5)) * BUCKETS + bucket(c0 + k)])
             calls += s * row[own]
+        when, p = first_read(plan, readers, scale)
         result = memo[(found, mask)] = (effective_time(self.at[w], when, p, far), p)
         return result
 
