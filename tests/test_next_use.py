@@ -8,6 +8,7 @@ from pbkv.policy.next_use import NextUse, Timing
 from pbkv.policy.reuse_score import ReuseScores
 from test_pbkv_policy import call, make
 from test_policies import eviction_order, labels
+from test_staleness import q
 
 
 def test_timing_learns_per_agent_durations_and_waits():
@@ -159,7 +160,6 @@ def test_effective_time_ranks_by_reads_per_second():
     assert effective_time(5.0, 7.0, 1.0) == 7.0   # p = 1: the plain expected time
 
 
-
 def test_a_block_s_read_chance_is_its_staleness_at_each_predicted_call_not_now():
     # ChatDev's review loop: p and its reviewer r alternate; r reads p's conversation (it sends
     # block 5 again, which p sent first), p reads its own conversation of two calls back. An
@@ -172,8 +172,7 @@ def test_a_block_s_read_chance_is_its_staleness_at_each_predicted_call_not_now()
         st.call(1, agent, blocks)
     st.end(1)
     assert st.readers.of("p") == {"r"}
-    table = st.table(("p", 1))
-    q12, q13 = table[1 * 8 + 2], table[1 * 8 + 3]
+    q12, q13 = q(st, ("p", 1), 1, 2), q(st, ("p", 1), 1, 3)
     assert (q12, q13) == (pytest.approx(1 / 2), 1.0)
     # workflow 2 is where 1 was after its call 2: block 6 now in state (1, 2); r next, then p
     for agent, blocks in [("p", [15, 16]), ("r", [15, 20]), ("p", [17])]:
