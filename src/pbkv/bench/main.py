@@ -30,6 +30,10 @@ class BenchArgs(SweepConfig):
 def check(args: BenchArgs) -> list[str]:
     """Validate names before any work; return the policy list with LRU and the oracle in it
     (on vLLM: with "vllm", vLLM alone, first; the oracle cannot run there)."""
+    if args.samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
+    if args.samples > 1 and args.engine != "sim":
+        raise ValueError(f"--samples averages simulated runs (--engine sim), not --engine {args.engine}")
     if args.engine == "vllm":
         from pbkv.policy.registry import needs_future
         pols = [p for p in args.policies if p != "vllm"]

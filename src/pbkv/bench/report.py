@@ -45,18 +45,29 @@ def tables(records: list[dict]) -> list[Table]:
 
 def sim_table(workload: str, rows: list[dict]) -> Table:
     first = rows[0]
-    t = Table(title=f"{workload}: {first['workflows']} workflows; {regime_label(first)}",
+    samples = f"; means of {first['samples']} samples" if first.get("samples") else ""
+    t = Table(title=f"{workload}: {first['workflows']} workflows; {regime_label(first)}{samples}",
               caption="pressure: device / distinct prompt tokens; lat/p99: workflow latency s; hit: % of prompt "
-                      "tokens; recomp: M tokens recomputed; GB in: loaded to device; xLRU: LRU latency / policy's")
-    for col in ("conc", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB in", "xLRU"):
+                      "tokens; recomp: M tokens recomputed; GB in: loaded to device; xLRU: LRU latency / policy's"
+                      + ("; range: xLRU's lowest-highest over the samples" if samples else ""))
+    for col in ("conc", "policy", "lat", "p99", "TTFT", "dev", "host", "disk", "recomp", "GB in", "xLRU") \
+            + (("range",) if samples else ()):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         t.add_row(str(r["concurrency"] or "open"), r["policy"], _fmt(r["mean_workflow_latency_s"]),
                   _fmt(r["p99_workflow_latency_s"]), _fmt(r["mean_ttft_s"]),
                   _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True),
                   _fmt(r["disk_hit_rate"], True), f"{r['recomputed_tokens'] / 1e6:.2f}",
-                  f"{r['bytes_loaded'] / 1e9:.0f}", f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-")
+                  f"{r['bytes_loaded'] / 1e9:.0f}", f"{r['speedup_vs_lru']:.2f}" if "speedup_vs_lru" in r else "-",
+                  *((_range(r),) if samples else ()))
     return t
+
+
+def _range(r: dict) -> str:
+    """`--samples`: the lowest and highest per-sample speedup over LRU."""
+    if "speedup_vs_lru_min" not in r:
+        return "-"
+    return f"{r['speedup_vs_lru_min']:.2f}-{r['speedup_vs_lru_max']:.2f}"
 
 
 def router_table(workload: str, rows: list[dict]) -> Table:

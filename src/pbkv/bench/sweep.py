@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pbkv.bench import predictors as predictors_mod
 from pbkv.bench import regimes as regimes_mod
+from pbkv.bench import samples as samples_mod
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # imported where used: they pull in the real engine / the vLL
     from pbkv.bench.hf_run import HFConfig
     from pbkv.bench.vllm_run import VLLMConfig
 
-RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine", "workflows", "calls",
+RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine", "samples", "workflows", "calls",
                "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
                "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
                "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
@@ -80,6 +81,8 @@ class SweepConfig:
     link: str = "pcie4"                              # instance-to-instance KV link (pbkv.scale.links)
     shared_tokens: int = 0                           # a shared KV tier of this many tokens (0: none)
     shared_link: str = "nvme"                        # how instances read the shared tier
+    samples: int = 1                                 # runs per cell at slightly larger memories, averaged
+                                                     # (pbkv.bench.samples; simulator only)
 
     def instance_counts(self) -> list[int]:
         return [self.instances] if isinstance(self.instances, int) else list(self.instances)
@@ -105,7 +108,7 @@ def load_workload(source: Source) -> Workload:
 
 
 def _run_one(args: tuple) -> dict:
-    source, policy, concurrency, cfg, regime, (instances, router) = args
+    source, policy, concurrency, cfg, regime, (instances, router), sample = args
     if cfg.engine == "vllm":  # a child process of the vLLM venv; pbkv's predictor by directory
         from pbkv.bench.vllm_run import VLLMConfig, run_policy
         variant = needed_predictor(policy) if policy != "vllm" else None
@@ -123,6 +126,7 @@ def _run_one(args: tuple) -> dict:
                     disk_tokens=regime.disk_tokens)
     run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile), cache=cache,
                     predictors=predictors, horizon=cfg.horizon, online_learner=learner)
+    run = samples_mod.scaled(run, sample)
     if cfg.engine == "hf":
         from pbkv.bench.hf_run import HFConfig, run_hf
         record = run_hf(load_workload(source), run, cfg.hf or HFConfig())
@@ -135,6 +139,8 @@ def _run_one(args: tuple) -> dict:
         record = simulate(load_workload(source), run)
     record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine,
                   pressure=regime.pressure, tiers=regime.tiers)
+    if cfg.samples > 1:
+        record[samples_mod.SAMPLE_KEY] = sample
     return record
 
 
@@ -156,9 +162,10 @@ def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> 
 
 def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
     """Every run, in record order: workload, concurrency, regime, router (several instances
-    only), policy."""
-    return [(s, p, c, cfg, rg, r) for s in cfg.sources for c in cfg.concurrency
-            for rg in sweep_regimes(cfg, s, c) for r in cfg.router_runs() for p in cfg.policies]
+    only), policy, sample (`--samples`)."""
+    return [(s, p, c, cfg, rg, r, i) for s in cfg.sources for c in cfg.concurrency
+            for rg in sweep_regimes(cfg, s, c) for r in cfg.router_runs() for p in cfg.policies
+            for i in range(cfg.samples)]
 
 
 def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
@@ -179,6 +186,8 @@ def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
                 results[futures[fut]] = fut.result()
                 if on_done:
                     on_done(results[futures[fut]])
+    if cfg.samples > 1:
+        results = samples_mod.average(results, cell_of)
     return finish_records(results)
 
 
@@ -188,19 +197,26 @@ def finish_records(records: list[dict]) -> list[dict]:
     On vLLM (`engine` "vllm") the baseline is vLLM alone (policy "vllm") instead of LRU."""
     def baseline(r):
         return "vllm" if r.get("engine") == "vllm" else "lru"
-    def cell(r):   # the runs a policy is compared within (same regime, instances and router, if any)
-        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r.get("router")
-    lru = {cell(r): r for r in records if r["policy"] == baseline(r)}
+    lru = {cell_of(r): r for r in records if r["policy"] == baseline(r)}
     out = []
     for r in records:
         rec = {k: r[k] for k in RECORD_KEYS if k in r}
-        base = lru.get(cell(r))
+        base = lru.get(cell_of(r))
         if base is not None and r["policy"] != baseline(r):
             rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / max(r["mean_workflow_latency_s"], 1e-12)
             rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)
             rec["device_hit_ratio_vs_lru"] = r["device_hit_rate"] / max(base["device_hit_rate"], 1e-12)
+            for k in ("speedup_vs_lru_min", "speedup_vs_lru_max"):   # --samples: the per-sample range
+                if k in r:
+                    rec[k] = r[k]
         out.append({k: _round(v) for k, v in rec.items()})
     return out
+
+
+def cell_of(r: dict) -> tuple:
+    """The runs a policy is compared within: same workload, concurrency, regime, and instances
+    and router (if any)."""
+    return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r.get("router")
 
 
 def _round(v):

@@ -3,6 +3,9 @@ and how much of the oracle's gain it captured, in each memory regime (largest or
 
     hover: pbkv 1.12x LRU, 1.09x the best peer (kvflow), 33% of the oracle's gain (1.36x)
            [device+host, pressure 0.021, conc 64]; ...
+
+With `--samples N` the speedups are of mean latencies, and the line gives pbkv's per-sample
+range ("1.01x LRU (1.00-1.02 over 3 samples)").
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ def _cells(rows: list[dict], subject: str) -> list[dict]:
             continue
         peers = {p: s for p, s in by.items() if _is_peer(p, subject)}
         best = max(peers, key=peers.get) if peers else None
+        own = next(r for r in mine if r["policy"] == subject)
+        spread = (own["speedup_vs_lru_min"], own["speedup_vs_lru_max"], own["samples"]) \
+            if "speedup_vs_lru_min" in own else None
         cells.append({"row": mine[0], "subject": by[subject], "oracle": by.get("oracle"),
-                      "peer": best, "peer_speedup": peers.get(best)})
+                      "peer": best, "peer_speedup": peers.get(best), "spread": spread})
     return sorted(cells, key=lambda c: -(c["oracle"] or 1.0))
 
 
@@ -56,6 +62,9 @@ def _is_peer(name: str, subject: str) -> bool:
 def _segment(c: dict, subject: str) -> str:
     r = c["row"]
     text = f"{subject} {c['subject']:.2f}x LRU"
+    if c["spread"] is not None:   # --samples: the mean's noise band, so a 1% lead is read as what it is
+        lo, hi, n = c["spread"]
+        text += f" ({lo:.2f}-{hi:.2f} over {n} samples)"
     if c["peer"] is not None:
         text += f", {c['subject'] / c['peer_speedup']:.2f}x the best peer ({c['peer']})"
     oracle = c["oracle"]

@@ -33,6 +33,10 @@ LinkOpt = Annotated[str, typer.Option(
     help="Instance-to-instance KV link: nvlink-h100, nvlink-a6000, pcie4, rdma, tcp (pbkv.scale.links).")]
 SharedTokensOpt = Annotated[int, typer.Option(
     min=0, help="With --instances: a KV tier of this many tokens every instance writes and reads (0: none).")]
+SamplesOpt = Annotated[int, typer.Option(
+    help="Run each cell this many times, every tier 0.5% larger each time, and report the means and the range "
+         "of speedups (--engine sim; a replay's latency moves ~1% with a few tokens of memory: "
+         "pbkv.bench.samples).")]
 SharedLinkOpt = Annotated[str, typer.Option(help="How instances read the shared tier (a --link name; default nvme).")]
 
 
@@ -65,6 +69,7 @@ def bench(
     link: LinkOpt = "pcie4",
     shared_tokens: SharedTokensOpt = 0,
     shared_link: SharedLinkOpt = "nvme",
+    samples: SamplesOpt = 1,
     jobs: JobsOpt = 2,
     out: OutOpt = Path("results/bench"),
     json_path: JsonOpt = None,
@@ -90,7 +95,7 @@ def bench(
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
         instances=instance_list(instances), routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
-        shared_link=shared_link,
+        shared_link=shared_link, samples=samples,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
                                   horizon=horizon or 3), **regime_args(pressure, tiers)), debug)
 
