@@ -72,3 +72,17 @@ def test_samples_are_checked():
         check(BenchArgs(sources=[], policies=["lru"], concurrency=[4], samples=0))
     with pytest.raises(ValueError, match="--samples averages simulated runs .*not --engine hf"):
         check(BenchArgs(sources=[], policies=["lru"], concurrency=[4], samples=2, engine="hf"))
+
+
+def test_both_commands_take_samples_and_pass_them_to_the_sweep(monkeypatch, tmp_path):
+    import pbkv.bench.main
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    seen = []
+    monkeypatch.setattr(pbkv.bench.main, "run", lambda args, console: seen.append(args.samples))
+    args = ["--workload", "swe", "--workflows", "2", "--concurrency", "2", "--samples", "3", "--out", str(tmp_path)]
+    for command in ("bench", "ablate"):
+        r = CliRunner().invoke(app, [command, *args])
+        assert r.exit_code == 0, r.output
+    assert seen == [3, 3]

@@ -127,6 +127,7 @@ def ablate(
     seed: SeedOpt = 0,
     train: TrainOpt = None,
     horizon: HorizonOpt = None,
+    samples: SamplesOpt = 1,
     jobs: JobsOpt = 2,
     out: OutOpt = Path("results/ablate"),
     debug: DebugOpt = False,
@@ -142,7 +143,7 @@ def ablate(
     run_bench(BenchArgs(
         sources=sources(workload, trace, workflows, seed), policies=ABLATION,
         concurrency=concurrency_list(concurrency), profile=profile,
-        cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon,
+        cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon, samples=samples,
         predictor=PredictorSource(train=strs(train), horizon=horizon or 3)), debug)
 
 
