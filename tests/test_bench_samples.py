@@ -1,5 +1,6 @@
 """`pbkv bench --samples N`: each cell run at slightly larger memories and averaged."""
 
+import functools
 import json
 
 import pytest
@@ -86,3 +87,21 @@ def test_both_commands_take_samples_and_pass_them_to_the_sweep(monkeypatch, tmp_
         r = CliRunner().invoke(app, [command, *args])
         assert r.exit_code == 0, r.output
     assert seen == [3, 3]
+
+
+def test_behind_routers_each_record_gets_the_best_other_routers_range_per_sample():
+    def run(router, sample, latency):
+        return {"workload": "w", "policy": "lru", "concurrency": 4, "pressure": None, "tiers": None, "instances": 2,
+                "router": router, "mean_workflow_latency_s": latency, "mean_ttft_s": 1.0, "device_hit_rate": 0.5,
+                samples.SAMPLE_KEY: sample}
+    raw = [run("prefix", 0, 10.0), run("prefix", 1, 12.0), run("pbkv", 0, 9.0), run("pbkv", 1, 12.5),
+           run("sticky", 0, 11.0), run("sticky", 1, 11.0)]
+    got = {r["router"]: r for r in finish_records(samples.average(raw, cell_of))}
+    # pbkv: sample 0 best other 10 / 9, sample 1 best other 11 / 12.5
+    close = functools.partial(pytest.approx, rel=1e-5)          # records are rounded to 6 digits
+    assert (got["pbkv"]["vs_best_router_min"], got["pbkv"]["vs_best_router_max"]) == close((0.88, 10 / 9))
+    assert (got["sticky"]["vs_best_router_min"], got["sticky"]["vs_best_router_max"]) == close((9 / 11, 12 / 11))
+    console = Console(record=True, width=300)
+    print_tables([{**r, **TABLE, "link": "pcie4", "makespan_s": 60.0, "bytes_moved_between_instances": 0,
+                   "workflow_moves": 0, "device_tokens": 1000} for r in got.values()], console)
+    assert "1.023 (0.880-1.111)" in console.export_text()      # pbkv's x best: 11 / 10.75, and its range

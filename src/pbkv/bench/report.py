@@ -78,18 +78,32 @@ def router_table(workload: str, rows: list[dict]) -> Table:
                     f"disk {first['disk_tokens']:,}",
               caption="lat/p99: workflow latency s; wf/min: workflows finished per minute (throughput); hit: % "
                       "of prompt tokens; recomp: M tokens recomputed; GB moved: KV sent between instances; moves: "
-                      "calls placed off their workflow's last instance; x rr / x prefix: round-robin's / prefix's "
-                      "latency over this router's (same policy and clients)")
+                      "calls placed off their workflow's last instance; x rr / x prefix / x best: round-robin's / "
+                      "prefix's / the fastest other router's latency over this router's (same policy and clients; "
+                      "--samples: and its lowest-highest over the samples)")
     for col in ("conc", "router", "policy", "lat", "p99", "wf/min", "dev", "host", "disk", "recomp", "GB moved",
-                "moves", "x rr", "x prefix"):
+                "moves", "x rr", "x prefix", "x best"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in rows:
         t.add_row(str(r["concurrency"] or "open"), r["router"], r["policy"], _fmt(r["mean_workflow_latency_s"]),
                   _fmt(r["p99_workflow_latency_s"]), f"{60 * r['workflows'] / max(r['makespan_s'], 1e-9):.1f}",
                   _fmt(r["device_hit_rate"], True), _fmt(r["host_hit_rate"], True), _fmt(r["disk_hit_rate"], True),
                   f"{r['recomputed_tokens'] / 1e6:.2f}", f"{r['bytes_moved_between_instances'] / 1e9:.1f}",
-                  str(r["workflow_moves"]), _gain(rows, r, "round-robin"), _gain(rows, r, "prefix"))
+                  str(r["workflow_moves"]), _gain(rows, r, "round-robin"), _gain(rows, r, "prefix"), _best(rows, r))
     return t
+
+
+def _best(rows: list[dict], r: dict) -> str:
+    """The fastest other router's mean latency over `r`'s (same policy and clients), with the
+    per-sample range under `--samples`; "-" with one router."""
+    others = [x["mean_workflow_latency_s"] for x in rows if x["router"] != r["router"]
+              and x["policy"] == r["policy"] and x["concurrency"] == r["concurrency"]]
+    if not others:
+        return "-"
+    text = f"{min(others) / max(r['mean_workflow_latency_s'], 1e-9):.3f}"
+    if "vs_best_router_min" in r:
+        text += f" ({r['vs_best_router_min']:.3f}-{r['vs_best_router_max']:.3f})"
+    return text
 
 
 def _gain(rows: list[dict], r: dict, router: str) -> str:

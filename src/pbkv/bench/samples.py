@@ -12,7 +12,10 @@ Sample i runs with every tier's capacity scaled by `factor(i)` = 1 + i x STEP, s
 the nominal run (N = 1 is exactly the single run) and no sample drops below a regime's clamp
 (the largest call). The averaged record keeps the nominal capacities and gains `samples` and
 the per-sample range of its speedup over LRU (`speedup_vs_lru_min` / `_max`);
-`speedup_vs_lru` itself is the ratio of the mean latencies (`sweep.finish_records`).
+`speedup_vs_lru` itself is the ratio of the mean latencies (`sweep.finish_records`). Behind
+several routers each router has its own LRU, so a record also gets the per-sample range of the
+best other router's latency over its own (`vs_best_router_min` / `_max`: above 1 in every
+sample means this router was the fastest in every sample).
 """
 
 from __future__ import annotations
@@ -62,7 +65,25 @@ def average(records: list[dict], cell) -> list[dict]:
                    for r in rows if (key, r[SAMPLE_KEY]) in lru]
             if ups:
                 merged["speedup_vs_lru_min"], merged["speedup_vs_lru_max"] = min(ups), max(ups)
+        if "router" in rows[0]:
+            vs = _vs_best_router(records, rows)
+            if vs:
+                merged["vs_best_router_min"], merged["vs_best_router_max"] = min(vs), max(vs)
         out.append(merged)
+    return out
+
+
+def _vs_best_router(records: list[dict], rows: list[dict]) -> list[float]:
+    """Per sample of `rows` (one router's runs): the fastest other router's latency over this
+    one's, same workload, clients, regime, instances, policy and sample."""
+    def place(r):
+        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r["policy"]
+    out = []
+    for r in rows:
+        others = [x["mean_workflow_latency_s"] for x in records if x.get("router") not in (None, r["router"])
+                  and place(x) == place(r) and x[SAMPLE_KEY] == r[SAMPLE_KEY]]
+        if others:
+            out.append(min(others) / max(r["mean_workflow_latency_s"], 1e-12))
     return out
 
 

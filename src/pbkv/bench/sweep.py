@@ -41,7 +41,7 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine
                # several simulated instances behind a router (--instances / --router) only
                "instances", "router", "link", "bytes_moved_between_instances", "kv_fetches", "kv_fetch_failed",
                "workflow_moves", "max_instance_share", "shared_tier_tokens", "shared_tier_reads",
-               "bytes_from_shared_tier", "bytes_to_shared_tier")
+               "bytes_from_shared_tier", "bytes_to_shared_tier", "vs_best_router_min", "vs_best_router_max")
 
 
 @dataclass(frozen=True)
