@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-STEP = 0.005       # 0.5% more memory per sample: far beyond the noise's scale, far below a regime's
+STEP = 0.005       # 0.5% more memory per sample: far above the noise's scale (a few tokens), far
+                   # below the steps between regimes (2x and more)
 SAMPLE_KEY = "_sample"
 NOMINAL = ("device_tokens", "host_tokens", "disk_tokens", "pressure")
 
