@@ -53,6 +53,7 @@ def average(records: list[dict], cell) -> list[dict]:
     for r in records:
         groups.setdefault((cell(r), r["policy"]), []).append(r)
     lru = {(cell(r), r.get(SAMPLE_KEY)): r for r in records if r["policy"] == "lru"}
+    routers = _by_router(records, cell)
     out = []
     for (key, policy), rows in groups.items():
         if len(rows) == 1 and SAMPLE_KEY not in rows[0]:
@@ -67,22 +68,30 @@ def average(records: list[dict], cell) -> list[dict]:
             if ups:
                 merged["speedup_vs_lru_min"], merged["speedup_vs_lru_max"] = min(ups), max(ups)
         if "router" in rows[0]:
-            vs = _vs_best_router(records, rows)
+            vs = _vs_best_router(routers, cell, rows)
             if vs:
                 merged["vs_best_router_min"], merged["vs_best_router_max"] = min(vs), max(vs)
         out.append(merged)
     return out
 
 
-def _vs_best_router(records: list[dict], rows: list[dict]) -> list[float]:
+def _by_router(records: list[dict], cell) -> dict[tuple, dict[str, float]]:
+    """(cell without its router, policy, sample) -> router -> mean workflow latency, for the
+    records behind a router (`cell(r)` ends with the router)."""
+    out: dict[tuple, dict[str, float]] = {}
+    for r in records:
+        if r.get("router") is not None:
+            out.setdefault((cell(r)[:-1], r["policy"], r[SAMPLE_KEY]), {})[r["router"]] = r["mean_workflow_latency_s"]
+    return out
+
+
+def _vs_best_router(routers: dict, cell, rows: list[dict]) -> list[float]:
     """Per sample of `rows` (one router's runs): the fastest other router's latency over this
     one's, same workload, clients, regime, instances, policy and sample."""
-    def place(r):
-        return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r["policy"]
     out = []
     for r in rows:
-        others = [x["mean_workflow_latency_s"] for x in records if x.get("router") not in (None, r["router"])
-                  and place(x) == place(r) and x[SAMPLE_KEY] == r[SAMPLE_KEY]]
+        others = [lat for name, lat in routers[(cell(r)[:-1], r["policy"], r[SAMPLE_KEY])].items()
+                  if name != r["router"]]
         if others:
             out.append(min(others) / max(r["mean_workflow_latency_s"], 1e-12))
     return out

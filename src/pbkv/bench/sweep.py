@@ -215,7 +215,7 @@ def finish_records(records: list[dict]) -> list[dict]:
 
 def cell_of(r: dict) -> tuple:
     """The runs a policy is compared within: same workload, concurrency, regime, and instances
-    and router (if any)."""
+    and router (if any). The router comes last: `samples` drops it to pair routers."""
     return r["workload"], r["concurrency"], r.get("pressure"), r.get("tiers"), r.get("instances"), r.get("router")
 
 
