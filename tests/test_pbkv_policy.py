@@ -265,3 +265,27 @@ def test_perfect_predictor_and_policy_read_the_replayed_future():
     record = simulate(wl, RunConfig(policy="pbkv-perfect", concurrency=4, profile=load_profile("a6000-qwen3-32b"),
                                     cache=CacheConfig(device_tokens=20000, host_tokens=0)))
     assert record["calls"] == sum(map(len, wl.workflows)) and record["monitor_top1"] == 1.0
+
+
+def test_perfect_predictor_tells_apart_workflows_that_share_history_and_context():
+    """Two workflows start with the same agent and context and then part: looked up by history
+    and context they are one key, so `pbkv-perfect` must look calls up by workflow and step."""
+    from pbkv.bench.run import RunConfig, Workload, simulate
+    from pbkv.engine.profiles import load_profile
+    from pbkv.predict.perfect import PerfectPredictor
+    from pbkv.trace import Call, Trace, TraceMeta
+
+    def wf(name, agents, base):
+        return [Call(name, s, a, 64 * (s + 1), 8, list(range(base, base + 4 * (s + 1))), context="same",
+                     tool_wait=0.0)
+                for s, a in enumerate(agents)]
+
+    flows = [wf("a", ["plan", "search", "search"], 1000), wf("b", ["plan", "write", "judge"], 2000)]
+    perfect = PerfectPredictor(flows, horizon=2)
+    assert perfect.for_workflow("a", 0).top(1) == "search"
+    assert perfect.for_workflow("b", 0).top(1) == "write" and perfect.for_workflow("b", 0).top(2) == "judge"
+    assert perfect.predict(["plan"], "same").top(1) == "search"   # one key: the first workflow's
+    trace = Trace(TraceMeta(block_size=16), flows[0] + flows[1])
+    record = simulate(Workload("two", trace), RunConfig(policy="pbkv-perfect", concurrency=2,
+                      profile=load_profile("a6000-qwen3-32b"), cache=CacheConfig(device_tokens=2000, host_tokens=0)))
+    assert record["monitor_top1"] == 1.0   # every next agent foreseen, in both workflows

@@ -173,10 +173,7 @@ class PBKVPolicy(Policy):
     def _predict(self, w: int, agent: str, hidden, now: float) -> None:
         if self.predictor is None:
             return
-        if self.reads_hidden and hidden is not None:
-            pred = self.predictor.predict(self.history[w], self.contexts[w][-1], hidden)
-        else:
-            pred = self.predictor.predict(self.history[w], self.contexts[w][-1])
+        pred = self._prediction(w, hidden)
         moved = self.scores.update(w, pred.agents, pred.probs, pred.survival)
         self.predictions[w] = pred
         self.version[w] = self.version.get(w, 0) + 1
@@ -187,6 +184,12 @@ class PBKVPolicy(Policy):
         nxt[END] = 1.0 - s1
         self.expected[w] = (agent, nxt)
         self._rerank(w, moved)
+
+    def _prediction(self, w: int, hidden):
+        """The predictor's answer for workflow w after its latest call."""
+        if self.reads_hidden and hidden is not None:
+            return self.predictor.predict(self.history[w], self.contexts[w][-1], hidden)
+        return self.predictor.predict(self.history[w], self.contexts[w][-1])
 
     def reuse_probability(self, workflow: int) -> float | None:
         """P(call t+1 | call t) from the latest prediction (made at call t-1: survival[0] is
