@@ -22,6 +22,15 @@ from pbkv.policy.registry import needed_predictor
 from pbkv.predict.store import has_predictor
 
 
+# Workflows generated to train a generated workload's predictors (at least; more when the replay
+# has more). Training runs a fixed budget of optimizer steps (`TrainOptions.target_steps`), so more
+# workflows cost generation time, not training time: swe's fused predictor trains in 35 s on 2,000
+# as on 500. With 500, swe's top-1 accuracy at k = 1 was 0.763 against 0.784 for the Bayes-optimal
+# predictor of its spec (examples/bayes_policies.py); with 2,000 it is 0.782 (hover: 0.944 -> 0.946,
+# already at its bound). docs/benchmarks.md, "What limits pbkv: the predictions".
+TRAIN_WORKFLOWS = 2000
+
+
 @dataclass(frozen=True)
 class PredictorSource:
     predictor: str | None = None         # a saved predictor directory (the "fused" variant)
@@ -102,7 +111,7 @@ def cache_folder(source, variant: str, psrc: PredictorSource) -> Path:
     spec = Path(source.spec)
     text = (spec if spec.suffix in (".yaml", ".yml", ".json") else BUILTIN_DIR / f"{source.spec}.yaml").read_bytes()
     spec_hash = hashlib.sha256(text).hexdigest()[:8]
-    name = (f"{source.name}-{spec_hash}-seed{source.seed + 1}-n{max(source.workflows, 500)}-{variant}"
+    name = (f"{source.name}-{spec_hash}-seed{source.seed + 1}-n{max(source.workflows, TRAIN_WORKFLOWS)}-{variant}"
             f"-k{psrc.horizon}-e{psrc.epochs or 'd'}-{code_version()}")
     return cache_dir() / "predictors" / name
 
@@ -110,7 +119,7 @@ def cache_folder(source, variant: str, psrc: PredictorSource) -> Path:
 def training_trace(source):
     """The generator's workflows under another seed: the same workload, never the replayed runs."""
     from pbkv.workloads import generate, load_spec
-    return generate(load_spec(source.spec), max(source.workflows, 500), source.seed + 1)
+    return generate(load_spec(source.spec), max(source.workflows, TRAIN_WORKFLOWS), source.seed + 1)
 
 
 def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> str:
