@@ -31,6 +31,7 @@ import numpy as np
 from pbkv.policy.pbkv import PBKVPolicy
 from pbkv.predict.base import UNK, Prediction
 from pbkv.workloads import load_spec, runs
+from pbkv.workloads.generate import transition_weights
 from pbkv.workloads.spec import END
 
 
@@ -53,19 +54,11 @@ class SpecBayes:
     # ---------------------------------------------------------------- the flow
 
     def next_agents(self, last: str, visits: dict, step: int, task: dict) -> dict[str, float]:
-        """P(next agent | state), as the generator draws it (`_pick`): p's normalised, None is
-        'rest', END when every p is 0 or the flow has no transitions."""
+        """P(next agent | state), as the generator draws it (`transition_weights` normalised);
+        END when every weight is 0 or the flow has no transitions."""
         items = self.trans.get(last) or []
         env = {"task": task, "turn": {}, "visits": visits, "step": step, "last": last}
-        ps, rest = [], None
-        for k, (to, p) in enumerate(items):
-            if p is None:
-                rest, p = k, 0.0
-            elif not isinstance(p, float):
-                p = float(p(env))
-            ps.append(float(p))
-        if rest is not None:
-            ps[rest] = max(0.0, 1.0 - sum(ps))
+        ps = transition_weights(items, env, f"flow.transitions.{last}")
         total = sum(ps)
         if total <= 0:
             return {END: 1.0}

@@ -125,8 +125,11 @@ class _Stream:
         self.last: list[int] | None = None  # hash ids at the previous call, valid while nothing was added
 
 
-def _pick(rng: random.Random, items: list[tuple[str, float | Expr | None]], env: dict, where: str) -> str:
-    """Choose a target from a transition list (p's normalised; None is 'rest'); END if every p is 0."""
+def transition_weights(items: list[tuple[str, float | Expr | None]], env: dict, where: str) -> list[float]:
+    """The weight of each target of a transition list in state `env`: constants as given,
+    expressions evaluated (each checked to be a number >= 0), None ('rest') = 1 - the others'
+    sum, at least 0. Not normalised: the chance of a target is its weight over the sum, and a
+    sum of 0 means END. The generator draws by it (`_pick`); diagnostics read it as a distribution."""
     ps, rest = [], None
     for k, (to, p) in enumerate(items):
         if p is None:
@@ -142,6 +145,12 @@ def _pick(rng: random.Random, items: list[tuple[str, float | Expr | None]], env:
         ps.append(p)
     if rest is not None:
         ps[rest] = max(0.0, 1.0 - sum(ps))
+    return ps
+
+
+def _pick(rng: random.Random, items: list[tuple[str, float | Expr | None]], env: dict, where: str) -> str:
+    """Choose a target from a transition list (p's normalised; None is 'rest'); END if every p is 0."""
+    ps = transition_weights(items, env, where)
     total = sum(ps)
     if total <= 0:
         return END
