@@ -85,6 +85,39 @@ class EvictIndex:
                 self._forget(node)
             self._drop_first(entry)
 
+    def tokens_below(self, floor: tuple, enough: int) -> int:
+        """Tokens of the candidates keyed below `floor`, counted in eviction order, stopping
+        once `enough` is reached (the cost is what a load would evict, not the tier's size).
+
+        When this is >= the tokens to free, evicting them takes only nodes keyed below
+        `floor`: each eviction pops the smallest candidate, and while a counted candidate is
+        left the smallest is keyed no higher than it (a parent that an eviction exposes is
+        popped only when it is the smallest)."""
+        total = 0
+        for entry in heapq.merge(reversed(self.front), self._heap_in_order()):
+            if not entry[0] < floor:
+                break
+            node = entry[3]
+            if entry[2] == node.version and self.is_candidate(node):
+                total += node.tokens
+                if total >= enough:
+                    break
+        return total
+
+    def _heap_in_order(self):
+        """The heap's entries, smallest first, without popping: a walk of its tree by a frontier
+        heap (O(k log k) for the k smallest)."""
+        heap = self.heap
+        if not heap:
+            return
+        frontier = [(heap[0], 0)]
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            yield entry
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < len(heap):
+                    heapq.heappush(frontier, (heap[j], j))
+
     def peek_all(self) -> list[Node]:
         """All valid candidates in eviction order (for tests and prefetch planning; O(n log n))."""
         entries = sorted(e for e in self.heap + self.front if e[2] == e[3].version and self.is_candidate(e[3]))

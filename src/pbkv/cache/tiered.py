@@ -73,10 +73,16 @@ class TieredCache:
 
     # ------------------------------------------------------------------ space
 
-    def make_room(self, tier: Tier, tokens: int) -> bool:
-        """Ensure `tokens` free tokens in `tier`, evicting if needed. Atomic."""
+    def make_room(self, tier: Tier, tokens: int, floor: tuple | None = None) -> bool:
+        """Ensure `tokens` free tokens in `tier`, evicting if needed. Atomic. With a `floor`
+        (an eviction key), only nodes keyed below it may go: a load ahead of use must not push
+        out what the policy ranks above the node it loads."""
         short = tokens - self.free(tier)
-        return short <= 0 or self.evict(tier, short)
+        if short <= 0:
+            return True
+        if floor is not None and self.index[tier].tokens_below(floor, short) < short:
+            return False
+        return self.evict(tier, short)
 
     def evict(self, tier: Tier, tokens: int) -> bool:
         """Free at least `tokens` tokens of `tier` in the policy's order, or do nothing."""
@@ -140,11 +146,12 @@ class TieredCache:
     # ------------------------------------------------------------------ moves
 
     def prepare_load(self, nodes: list[Node], dst: Tier = Tier.DEVICE, keep_lock: bool = True,
-                     allow_evict: bool = True) -> Move | None:
+                     allow_evict: bool = True, floor: tuple | None = None) -> Move | None:
         """Phase one of moving a path segment up into `dst`: reserve space and pin the path.
 
         `nodes` run root side first; the first one's parent must already be in `dst` or faster.
-        Returns None (and changes nothing) when `dst` cannot make room."""
+        Room is made by evicting (when `allow_evict`) only nodes keyed below `floor`, when
+        given (`make_room`). Returns None (and changes nothing) when `dst` cannot make room."""
         if not nodes:
             return None
         if nodes[0].parent.tier > dst:
@@ -152,7 +159,7 @@ class TieredCache:
         tokens = sum(n.tokens for n in nodes)
         deepest = nodes[-1]
         self.tree.lock(deepest)  # pin first: making room must not evict what we load
-        room = self.make_room(dst, tokens) if allow_evict else self.free(dst) >= tokens
+        room = self.make_room(dst, tokens, floor) if allow_evict else self.free(dst) >= tokens
         if not room:
             self.tree.unlock(deepest)
             return None

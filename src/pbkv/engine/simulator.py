@@ -264,7 +264,8 @@ class Simulator(EngineBase):
             return
         wanted = self._timed(self.policy.prefetch, PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.now))
         for move, tokens in prepare_prefetches(self.cache, wanted, budget, self.policy.allow_evict_for_prefetch,
-                                               lambda n: n.id in self._inflight):
+                                               lambda n: n.id in self._inflight,
+                                               lambda n: self._timed(self.policy.prefetch_floor, n)):
             self.stats.prefetched_tokens += tokens
             done_at = self._start_load(move.nodes)
             self.at(done_at, lambda m=move: self._complete(m))

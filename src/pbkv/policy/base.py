@@ -131,6 +131,11 @@ class Policy:
     def prefetch(self, request: PrefetchRequest) -> list[Node]:
         return []
 
+    def prefetch_floor(self, node: Node) -> tuple | None:
+        """With `allow_evict_for_prefetch`: the eviction key below which room may be made to
+        load `node` ahead of use (None: any resident node may go, in this policy's order)."""
+        return None
+
     # advice (read by a router)
     def reuse_probability(self, workflow: int) -> float | None:
         """Predicted probability that `workflow` calls again after the call it is about to make,

@@ -16,7 +16,9 @@ the cache (the lowest-ranked victim of the cascade), so retired and predicted-de
 displace anything live, and a live node is not dropped while retired cache sits below.
 Why one rule at every tier: with a host tier under pressure, what the host keeps and drops
 decides most of the hit rate (issue 11: LRU below the device lost the oracle's gain).
-Prefetch: candidates and space in `pbkv_prefetch.py`, the choice in `conservative_prefetch.py`.
+Prefetch: queued calls' prefixes first, evicting only what ranks below them, then predicted
+loads into free + retired space: candidates, space and floors in `pbkv_prefetch.py`, the choice
+of predicted loads in `conservative_prefetch.py`.
 Predictions are refreshed at every call.
 
 Feedback (`pbkv.predict.monitor`): the predictor's next-event accuracy is compared online with a
@@ -59,6 +61,7 @@ PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
 DEAD_P = 0.05
 DEAD_MIN_LEVEL = 5        # below this trust level no node is called dead (LRU decides)
 FINE_BUCKETS = 64         # at full trust, next-use times are compared to 1/64 of a mean step
+SPECULATIVE_FLOOR = (1,)  # a predicted (not queued) load may evict only retired nodes
 
 
 class PBKVPolicy(Policy):
@@ -66,7 +69,7 @@ class PBKVPolicy(Policy):
     variant = "fused"            # which trained predictor (PolicyContext.predictors key)
     use_scores = True
     use_prefetch = True
-    allow_evict_for_prefetch = True  # `plan` asks only for free + retired space; retired goes first
+    allow_evict_for_prefetch = True  # only below `prefetch_floor`: retired for predicted loads
     dead_p = DEAD_P              # a class attribute so ablations can move it (examples/ablation_policies.py)
 
     def __init__(self, ctx: PolicyContext):
@@ -108,11 +111,23 @@ class PBKVPolicy(Policy):
         if not self.use_scores or self.level == 0:
             return (1, 0, node.last_access)
         when, p = self.next_use.of(node)
+        return self._rank(when, p, node.last_access)
+
+    def _rank(self, when: float, p: float, last_access: float) -> tuple:
+        """The key of a live node next used at `when` with probability `p` (see the docstring)."""
         if p < self.dead_p and self.level >= DEAD_MIN_LEVEL:
-            return (1, 0, node.last_access)
+            return (1, 0, last_access)
         if self.bucket is not None and when != math.inf:
             when = math.floor(when / self.bucket)
-        return (2, -when, node.last_access)
+        return (2, -when, last_access)
+
+    def prefetch_floor(self, node: Node) -> tuple:
+        """A queued prefix (`pbkv_prefetch.py`) may displace nodes ranked below a read at its
+        call's arrival; a speculative load only retired nodes, keyed (0, ...)."""
+        at = self.ahead.arrival_on(node)
+        if at is None:
+            return SPECULATIVE_FLOOR
+        return self._rank(at, 1.0, node.last_access)
 
     def keep_on_evict(self, node: Node) -> bool:
         """Write `node` down a tier unless what the write finally pushes out of the cache
@@ -139,6 +154,7 @@ class PBKVPolicy(Policy):
         w, agent = event.workflow, event.agent
         self._observe(w, agent)
         self._observe_match(event.node)
+        self.ahead.arrived(w, event.now, event.node)
         self.next_use.timing.call_start(w, agent, event.now)
         self.next_use.stale.call(w, agent, _prompt_blocks(event))
         self.history[w].append(agent)
@@ -148,6 +164,7 @@ class PBKVPolicy(Policy):
     def on_call_end(self, event: CallEvent) -> None:
         """The call has read its cache: its agent's next use is now the predicted one."""
         w = event.workflow
+        self.ahead.served(w)
         self.next_use.timing.call_end(w, event.agent, event.now)
         if getattr(event.call, "hash_ids", None) is None:
             # no prompt at call start (vLLM's shadow): the call's path, now inserted
@@ -202,6 +219,7 @@ class PBKVPolicy(Policy):
     def on_workflow_end(self, workflow: int, nodes: list[Node]) -> None:
         self._observe(workflow, END)
         self.expected.pop(workflow, None)
+        self.ahead.served(workflow)
         moved = sorted(set(self.scores.remove(workflow)) | set(self.next_use.remove(workflow)))
         if self.learner is not None:
             self._learn(workflow)

@@ -241,6 +241,7 @@ class CacheOps:
         wanted = self._timed(self.policy.prefetch,
                              PrefetchRequest(budget, self.cache.free(Tier.DEVICE), self.clock.now()))
         for move, tokens in prepare_prefetches(self.cache, wanted, budget, self.policy.allow_evict_for_prefetch,
-                                               lambda n: n.id in self._inflight or self.store.is_lost(n)):
+                                               lambda n: n.id in self._inflight or self.store.is_lost(n),
+                                               lambda n: self._timed(self.policy.prefetch_floor, n)):
             self.stats.prefetched_tokens += tokens
             self._start_transfer(move, None)
