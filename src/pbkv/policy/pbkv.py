@@ -53,7 +53,7 @@ from pbkv.policy.reuse_score import ReuseScores
 from pbkv.predict.monitor import END, QualityMonitor
 
 TRUST_STEPS = 10          # trust is acted on in tenths
-PREFETCH_MIN_TRUST = 0.5  # below this, no speculative loads
+PREFETCH_MIN_TRUST = 0.5  # below this, no loads ahead (waiting calls' prefixes included)
 # Reuse probability within the horizon below which a node is "dead". Swept 0.02-0.35 on the 18
 # real-trace cells and the default bench (docs/benchmarks.md, "Which of pbkv's rules carry the
 # gain, and the dead threshold"): 0.1 closes more of chatdev's device gap but loses latency on

@@ -52,7 +52,7 @@ class PrefetchCandidates:
     def waiting(self) -> list[Node]:
         """Queued prefixes below the device, earliest arrival first."""
         chosen, seen = [], set()
-        for _, (at, node) in sorted(self.queued.items(), key=lambda item: (item[1][0], item[0])):
+        for _, (_, node) in sorted(self.queued.items(), key=lambda item: (item[1][0], item[0])):
             if (node.alive and node.parent is not None and node.tier != Tier.DEVICE and node.lock == 0
                     and node.id not in seen):
                 seen.add(node.id)
