@@ -54,6 +54,8 @@ def test_bench_pbkv_needs_a_predictor_for_a_trace_and_trains_on_train(tmp_path):
     r = invoke("bench", "--trace", replay, "--train", train, "--policies", "pbkv", "--concurrency", "2",
                "--pressure", "profile", "--out", tmp_path, "--jobs", 1)
     assert r.exit_code == 0, r.output
+    # one sample: the verdict says so and how to see the noise
+    assert "--samples 3 shows each speedup's range" in " ".join(r.output.split())
     records = json.loads((tmp_path / "bench.json").read_text())
     assert [r["policy"] for r in records] == ["lru", "pbkv", "oracle"]
     assert 0 <= records[1]["trust"] <= 1 and (live_dir(tmp_path / "models" / "train-fused") / "model.safetensors").exists()

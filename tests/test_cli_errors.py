@@ -25,3 +25,14 @@ def test_a_failed_run_is_one_line_and_debug_shows_the_traceback(monkeypatch, tmp
         assert "Traceback" not in r.output
     r = runner.invoke(app, [*args, "--debug"])
     assert isinstance(r.exception, AttributeError) and r.exit_code == 1
+
+
+def test_a_device_too_small_for_a_call_fails_before_any_training(monkeypatch, tmp_path):
+    def trained(*args, **kwargs):
+        raise AssertionError("predictors were trained before the capacity was checked")
+    monkeypatch.setattr(pbkv.bench.main.predictors_mod, "prepare", trained)
+    r = runner.invoke(app, ["bench", "--workload", "swe", "--workflows", "2", "--concurrency", "2",
+                            "--device-tokens", "10", "--out", str(tmp_path)])
+    assert r.exit_code != 0, r.output
+    assert "more than the device capacity of 10; raise --device-tokens" in " ".join(r.output.split()), r.output
+    assert "predictors were trained" not in r.output

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.report import print_tables, write_json, write_plots
+from pbkv.bench.runner import check_fits
 from pbkv.bench.verdict import verdicts
 from pbkv.bench.sweep import SweepConfig, load_workload, run_sweep, sweep_jobs
 from pbkv.engine.profiles import load_profile
@@ -75,7 +76,9 @@ def check_routers(args: BenchArgs) -> None:
 def run(args: BenchArgs, console: Console) -> list[dict]:
     pols = check(args)
     for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
-        load_workload(s)
+        workload = load_workload(s)
+        if args.engine == "sim" and args.cache.device_tokens is not None:
+            check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
     with _bar(console) as bar:
         task = bar.add_task("training predictors", total=None)
         trained = [p for p in pols if p != "vllm"]        # vLLM alone: not a pbkv policy
@@ -89,8 +92,12 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
                                          + (f" {r['router']}" if "router" in r else "")))
     print_tables(records, console)
-    for line in verdicts(records):
+    lines = verdicts(records)
+    for line in lines:
         console.print(line, markup=False, highlight=False)  # "[regime]" is text, not markup
+    if lines and args.samples == 1 and args.engine == "sim":
+        console.print("one sample per cell: a replay's latency moves by ~1% with a few tokens more memory "
+                      "(pbkv.bench.samples); --samples 3 shows each speedup's range", highlight=False)
     path = write_json(records, args.json_path or args.out / "bench.json")
     plots = write_plots(records, args.out)
     console.print(f"results: {path}" + "".join(f"\n         {p}" for p in plots))
