@@ -93,6 +93,15 @@ def test_errors_are_clear_and_exit_2(tmp_path):
     assert r.exit_code == 1 and "bad.jsonl:1: field 'agent'" in r.output
     r = invoke("gen", "nosuch", "-o", tmp_path / "x.jsonl")
     assert r.exit_code == 2 and "nosuch" in r.output
+    # a trace with a header and no calls: named, not a bare "max() arg is an empty sequence"
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"pbkv_trace": 1, "block_size": 16}\n')
+    r = invoke("bench", "--trace", empty, "--policies", "lru", "--out", tmp_path)
+    assert r.exit_code == 2 and "empty.jsonl: no calls to replay" in " ".join(r.output.split()), r.output
+    replay = tmp_path / "replay.jsonl"
+    assert invoke("gen", "finance", "--workflows", 2, "--seed", 1, "-o", replay).exit_code == 0
+    r = invoke("bench", "--trace", replay, "--train", empty, "--policies", "pbkv", "--out", tmp_path)
+    assert r.exit_code == 2 and "empty.jsonl: no workflows to train on" in " ".join(r.output.split()), r.output
     for cmd in ("sim", "policy"):
         r = invoke("perf", cmd, "--policy", "pbkv", "--workflows", 3)
         assert r.exit_code == 2 and "pbkv needs a predictor: pass --predictor DIR" in r.output

@@ -77,6 +77,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     pols = check(args)
     for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
         workload = load_workload(s)
+        if not workload.workflows:
+            raise ValueError(f"{s.trace or s.name}: no calls to replay")
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
     with _bar(console) as bar:

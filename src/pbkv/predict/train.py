@@ -216,7 +216,8 @@ def _train_predictor(traces, variant, horizon, epochs, seed, progress, opt: Trai
     t0 = time.perf_counter()
     wfs = workflows_of(traces)
     if not wfs:
-        raise ValueError("no workflows to train on")
+        files = [t.path for t in (traces if isinstance(traces, list) else [traces]) if getattr(t, "path", None)]
+        raise ValueError(f"{', '.join(files)}: no workflows to train on" if files else "no workflows to train on")
     agents = known_agents(wfs, opt.min_count)
     cfg = ModelConfig(n_agents=len(agents), horizon=horizon, variant=variant, dim=opt.dim, hidden=opt.hidden,
                       dropout=opt.dropout, context_dropout=opt.context_dropout, context_dim=opt.context_dim,
