@@ -100,6 +100,8 @@ def test_errors_are_clear_and_exit_2(tmp_path):
     assert r.exit_code == 2 and "empty.jsonl: no calls to replay" in " ".join(r.output.split()), r.output
     replay = tmp_path / "replay.jsonl"
     assert invoke("gen", "finance", "--workflows", 2, "--seed", 1, "-o", replay).exit_code == 0
+    r = invoke("bench", "--trace", replay, "--concurrency", "4,open", "--policies", "lru", "--out", tmp_path)
+    assert r.exit_code == 2 and "2 of 2 workflows have none" in " ".join(r.output.split()), r.output
     r = invoke("bench", "--trace", replay, "--train", empty, "--policies", "pbkv", "--out", tmp_path)
     assert r.exit_code == 2 and "empty.jsonl: no workflows to train on" in " ".join(r.output.split()), r.output
     for cmd in ("sim", "policy"):

@@ -21,12 +21,16 @@ def one_workflow(*calls):
     return Workload("t", Trace(TraceMeta(block_size=16), list(calls)))
 
 
-def run(workload, device=100_000, host=0, policy="lru", concurrency=1):
+def simulator(workload, device=100_000, host=0, policy="lru"):
     cost = CostModel(PROFILE)
     pol = make_policy(policy, PolicyContext(agent_graph=workload.agent_graph))
     cache = TieredCache(RadixTree(16), Capacities(device, host), pol)
     pol.bind(cache)
-    engine = Simulator(cost, cache, pol)
+    return Simulator(cost, cache, pol), cost
+
+
+def run(workload, device=100_000, host=0, policy="lru", concurrency=1):
+    engine, cost = simulator(workload, device, host, policy)
     rec = Replay(engine, workload.workflows, concurrency, Recorder()).run()
     return rec, engine, cost
 
@@ -64,6 +68,25 @@ def test_oversized_call_is_a_clear_error():
     wl = one_workflow(Call("w", 0, "a", 160, 1, list(range(10))))
     with pytest.raises(ValueError, match="needs 161 tokens, more than the device capacity of 100"):
         simulate(wl, RunConfig("lru", 1, PROFILE, cache=CacheConfig(device_tokens=100)))
+
+
+def test_open_loop_starts_each_workflow_at_its_t_and_needs_every_t():
+    class Starts(Recorder):
+        seen: dict = {}
+
+        def workflow_started(self, i, workflow_id, now):
+            super().workflow_started(i, workflow_id, now)
+            self.seen[workflow_id] = now
+    calls = [Call("a", 0, "x", 32, 2, [0, 1], t=0.0), Call("b", 0, "x", 32, 2, [2, 3], t=7.5)]
+    wl = Workload("t", Trace(TraceMeta(), calls))
+    engine = simulator(wl)[0]
+    rec = Replay(engine, wl.workflows, None, Starts()).run()
+    assert rec.seen == {"a": 0.0, "b": 7.5}
+    untimed = Workload("t", Trace(TraceMeta(), [calls[0], Call("b", 0, "x", 32, 2, [2, 3])]))
+    with pytest.raises(ValueError, match=r"the replay: --concurrency open replays each workflow's arrival "
+                                         r"time \(`t` of its first call\), and 1 of 2 workflows have none "
+                                         r"\(first: b\)"):
+        Replay(engine, untimed.workflows, None, Recorder())
 
 
 def test_closed_loop_runs_every_workflow_once_per_lane():

@@ -13,6 +13,7 @@ from pbkv.bench.report import print_tables, write_json, write_plots
 from pbkv.bench.runner import check_fits
 from pbkv.bench.verdict import verdicts
 from pbkv.bench.sweep import SweepConfig, load_workload, run_sweep, sweep_jobs
+from pbkv.driver.replay import check_arrivals
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import policy_class
 
@@ -79,6 +80,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         workload = load_workload(s)
         if not workload.workflows:
             raise ValueError(f"{s.trace or s.name}: no calls to replay")
+        if None in args.concurrency and args.engine != "vllm":
+            check_arrivals(workload.workflows, s.trace or s.name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
     with _bar(console) as bar:

@@ -27,11 +27,23 @@ class Engine(Protocol):
     def run(self) -> None: ...
 
 
+def check_arrivals(workflows: list[list[Call]], name: str) -> None:
+    """An open-loop replay (concurrency None) needs every workflow's arrival time: without
+    `t` they would all start at 0, a burst no trace describes."""
+    missing = [calls[0].workflow_id for calls in workflows if calls[0].t is None]
+    if missing:
+        raise ValueError(f"{name}: --concurrency open replays each workflow's arrival time (`t` of its first "
+                         f"call), and {len(missing)} of {len(workflows)} workflows have none (first: "
+                         f"{missing[0]}); give a number of lanes instead (e.g. --concurrency 16)")
+
+
 class Replay:
     """Drives `workflows` (each a list of calls in step order) through `engine`."""
 
     def __init__(self, engine: Engine, workflows: list[list[Call]], concurrency: int | None,
                  recorder: Recorder, progress=None):
+        if concurrency is None:
+            check_arrivals(workflows, "the replay")
         self.engine = engine
         self.workflows = workflows
         self.concurrency = concurrency
