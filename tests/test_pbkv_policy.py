@@ -21,11 +21,18 @@ def make(table, horizon=2, gamma=0.5, device=100, host=0, policy="pbkv"):
     return cache, pol, pred
 
 
-def call(cache, pol, prompt, now, wf, agent, step, context=None):
-    """What the engine does for one call: arrival (prediction), serve (insert + tags), end."""
+def arrive(cache, pol, prompt, now, wf, agent, step, context=None):
+    """A call arrives (the engine's submit): the policy hears of it with the deepest cached node
+    of its prompt. Returns (that node, the call)."""
     node, _ = cache.tree.match(ids(prompt))
     call_ = SimpleNamespace(context=context, workflow_id=f"w{wf}", step=step)
     pol.on_call_start(CallEvent(wf, agent, step, call_, node, now))
+    return node, call_
+
+
+def call(cache, pol, prompt, now, wf, agent, step, context=None):
+    """What the engine does for one call: arrival (prediction), serve (insert + tags), end."""
+    _, call_ = arrive(cache, pol, prompt, now, wf, agent, step, context)
     leaf = put(cache, prompt, now, workflow=wf, agent=agent)
     pol.on_call_end(CallEvent(wf, agent, step, call_, leaf, now))
     return leaf

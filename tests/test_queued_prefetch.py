@@ -11,7 +11,7 @@ from helpers import BLOCK, ids, make_cache, put
 from pbkv.cache import Tier
 from pbkv.engine.prefetch import prepare_prefetches
 from pbkv.policy import CallEvent, PrefetchRequest
-from test_pbkv_policy import W1, W2, call, make
+from test_pbkv_policy import W1, W2, arrive, call, make
 
 
 def _lru_full_device():
@@ -57,14 +57,6 @@ def test_room_below_the_floor_must_cover_the_whole_load():
     cache.check()
 
 
-def _arrive(pol, cache, prompt, now, wf, agent, step, context):
-    """A call arrives and waits for admission (the engine's submit): the policy hears of it."""
-    node, _ = cache.tree.match(ids(prompt))
-    pol.on_call_start(CallEvent(wf, agent, step, SimpleNamespace(context=context, workflow_id=f"w{wf}", step=step),
-                                node, now))
-    return node
-
-
 def _queued_on_host():
     """pbkv, device of 6 blocks, host 50. Workflow 3 ended and left RRR (retired) on the device;
     w1's AAA and w2's BBB were evicted to the host; then a call of w1 (t=5) and one of w2 (t=6)
@@ -78,8 +70,8 @@ def _queued_on_host():
     call(cache, pol, "RRR", 3.0, 3, "a", 0, context="w3")
     pol.on_workflow_end(3, cache.end_workflow(3))
     assert aaa.tier == bbb.tier == Tier.HOST
-    assert _arrive(pol, cache, "AAAx", 5.0, 1, "a", 1, "w1") is aaa
-    assert _arrive(pol, cache, "BBBx", 6.0, 2, "b", 1, "w2") is bbb
+    assert arrive(cache, pol, "AAAx", 5.0, 1, "a", 1, "w1")[0] is aaa
+    assert arrive(cache, pol, "BBBx", 6.0, 2, "b", 1, "w2")[0] is bbb
     return cache, pol, aaa, bbb
 
 
@@ -115,8 +107,8 @@ def test_a_queued_prefix_displaces_another_only_when_its_call_came_first(first):
     aaa = call(cache, pol, "AAA", 2.0, 1, "a", 0, context="w1")
     assert (aaa.tier, bbb.tier) == (Tier.DEVICE, Tier.HOST)
     t1, t2 = (5.0, 6.0) if first == "w1" else (6.0, 5.0)
-    _arrive(pol, cache, "AAAx", t1, 1, "a", 1, "w1")
-    _arrive(pol, cache, "BBBx", t2, 2, "b", 1, "w2")
+    arrive(cache, pol, "AAAx", t1, 1, "a", 1, "w1")
+    arrive(cache, pol, "BBBx", t2, 2, "b", 1, "w2")
     wanted, loaded = _prefetch(cache, pol, 7.0)
     assert wanted == [bbb]                   # AAA is on the device already
     if first == "w1":

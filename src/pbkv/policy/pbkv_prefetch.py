@@ -50,11 +50,11 @@ class PrefetchCandidates:
         self.queued.pop(workflow, None)
 
     def waiting(self) -> list[Node]:
-        """Queued prefixes below the device, earliest arrival first."""
+        """Queued prefixes below the device, earliest arrival first (a call with nothing cached
+        holds the root, which is on the device and locked: never offered)."""
         chosen, seen = [], set()
         for _, (_, node) in sorted(self.queued.items(), key=lambda item: (item[1][0], item[0])):
-            if (node.alive and node.parent is not None and node.tier != Tier.DEVICE and node.lock == 0
-                    and node.id not in seen):
+            if node.alive and node.tier != Tier.DEVICE and node.lock == 0 and node.id not in seen:
                 seen.add(node.id)
                 chosen.append(node)
         return chosen
