@@ -173,6 +173,10 @@ class _SpecPolicy(PBKVPolicy):
         self.ids[workflow] = workflow_id
         super().on_workflow_start(workflow, workflow_id)
 
+    def on_workflow_end(self, workflow: int, nodes) -> None:
+        super().on_workflow_end(workflow, nodes)
+        self.ids.pop(workflow, None)
+
 
 class FromWords(_SpecPolicy):
     """pbkv with the Bayes-optimal prediction from the trace's context words and agent history."""
