@@ -151,7 +151,10 @@ class NextUse:
         self.stale = Staleness()                 # which of an agent's cache its workflow still reads; readers
         self.at: dict[int, float] = {}           # workflow -> time of its latest prediction
         self.plan: dict[int, tuple] = {}         # workflow -> ([(t_k, s_k, P_k)], far) of it
-        self.reads: dict[int, dict] = {}         # workflow -> memo of `_read` until its next prediction
+        # workflow -> memo of `_read` until its next prediction (at most one call away); the
+        # staleness tables and readers it read may move meanwhile with other workflows' calls,
+        # which a node's key then follows one call late (policy time: `_read` runs per key)
+        self.reads: dict[int, dict] = {}
         self._groups_memo = None                 # (classes list, readers' version, _groups() of it)
 
     def _groups(self) -> list[list[int]]:
