@@ -47,12 +47,16 @@ def schema_bodies(hostile: bool):
         "workflow_done": field(st.booleans()), "user": JUNK, "presence_penalty": JUNK,
     }
     model = field(st.sampled_from(["tiny", "tiny", "tiny", "other"]))
-    chat = st.fixed_dictionaries({"model": model, "messages": field(st.lists(message, min_size=1, max_size=3))},
-                                 optional={**common, "max_completion_tokens": field(st.integers(-1, 12))})
+    chat = st.fixed_dictionaries(
+        {"model": model, "messages": field(st.lists(message, min_size=1, max_size=3))},
+        optional={**common, "max_completion_tokens": field(st.integers(-1, 12)), "logprobs": field(st.booleans()),
+                  "top_logprobs": field(st.integers(0, 3)), "logit_bias": field(st.just({})),
+                  "response_format": field(st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])})),
+                  "tool_choice": field(st.sampled_from(["auto", "none", "required"]))})
     completion = st.fixed_dictionaries(
         {"model": model, "prompt": field(st.one_of(TEXT, st.lists(st.integers(-3, 300), max_size=8),
                                                    st.lists(TEXT, max_size=2)))},
-        optional={**common, "echo": field(st.booleans())})
+        optional={**common, "echo": field(st.booleans()), "logprobs": field(st.one_of(st.none(), st.integers(0, 3)))})
     return chat, completion
 
 

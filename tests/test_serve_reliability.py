@@ -71,6 +71,39 @@ def test_sampling_parameters_out_of_range_are_400s_naming_the_param(srv, field, 
     assert_openai_error(completion(srv, **{field: value}), 400, field)
 
 
+# ---------------------------------------------------------------- an answer of another shape is a 400
+
+def chat(srv, **fields):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    return post(srv, "/v1/chat/completions", body)
+
+
+@pytest.mark.parametrize("path,fields,param,says", [
+    ("chat", {"logprobs": True}, "logprobs", "log probabilities are not returned"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs", "log probabilities are not returned"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format", "'json_schema' is not supported"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "parses no tool calls"),
+    ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "parses no tool calls"),
+    ("chat", {"logit_bias": {"5": 100}}, "logit_bias", "logit_bias is not supported"),
+    ("completion", {"logprobs": 0}, "logprobs", "log probabilities are not returned"),
+])
+def test_fields_that_would_change_the_answers_shape_are_400s(srv, path, fields, param, says):
+    """Ignoring these would answer something else than what was asked (no log probabilities, no
+    JSON, no tool call): a 400 naming the field, not a silent null or free text."""
+    r = chat(srv, **fields) if path == "chat" else completion(srv, **fields)
+    assert says in assert_openai_error(r, 400, param)["message"]
+
+
+@pytest.mark.parametrize("fields", [{"logprobs": False, "top_logprobs": 0}, {"response_format": {"type": "text"}},
+                                    {"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]},
+                                    {"tool_choice": "none"}, {"logit_bias": {}}, {"logprobs": None}])
+def test_their_harmless_values_are_accepted(srv, fields):
+    assert chat(srv, **fields).status_code == 200
+    assert completion(srv, logprobs=None).status_code == 200
+
+
 # ---------------------------------------------------------------- defect 3: 400, not 500
 
 @pytest.mark.parametrize("path,body,param", [

@@ -3,8 +3,14 @@
 Requests: strict pydantic models, so `"max_tokens": "5"` or `"stream": 1` is a 400, not coerced.
 Sampling parameters are checked against OpenAI's ranges (temperature 0..2, top_p in (0, 1]); a
 `seed` may be any integer (mapped into the generator's range: `seed % 2**63`). Fields OpenAI
-defines that this server does not act on (`presence_penalty`, `user`, ...) are accepted and ignored, as are unknown fields (clients such as LangChain send extras); the
-workflow hints `workflow_id`, `agent`, `workflow_done` are what `openai`'s `extra_body` adds.
+defines that this server does not act on are accepted and ignored where ignoring them leaves the
+answer one the client asked for (`presence_penalty`, `user`, `tools` with `tool_choice` "auto":
+the model may answer in text), as are unknown fields (clients such as LangChain send extras);
+where it would not, the request is a 400 naming the field, not an answer of another shape:
+`logprobs` / `top_logprobs` (no log probabilities are returned), `response_format` other than
+text (no constrained decoding), `tool_choice` "required" or a named function (no tool calls are
+parsed), a non-empty `logit_bias`. The workflow hints `workflow_id`, `agent`, `workflow_done` are
+what `openai`'s `extra_body` adds.
 Responses: plain dicts in the exact shapes of `chat.completion`, `chat.completion.chunk` and
 `text_completion` (the `openai` client parses them into its own types).
 """
@@ -65,6 +71,14 @@ class _Common(_Strict):
     workflow_id: Optional[str] = Field(None, min_length=1, max_length=MAX_HINT_CHARS)
     agent: Optional[str] = Field(None, min_length=1, max_length=MAX_HINT_CHARS)
     workflow_done: bool = False
+    logit_bias: Optional[dict[str, Union[int, float]]] = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        if v:
+            raise ValueError("logit_bias is not supported by this server; leave it out")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -95,9 +109,42 @@ class _Common(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # json_schema's body is not read: only its type
+    type: str
+
+
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tool_choice: Optional[Union[str, dict]] = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("log probabilities are not returned by this server; leave out logprobs "
+                             "and top_logprobs")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format {v.type!r} is not supported (no constrained decoding); "
+                             "only 'text'")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tools(cls, v):
+        if v is not None and v not in ("auto", "none"):
+            raise ValueError("this server parses no tool calls: tool_choice may be 'auto' (the model "
+                             "answers in text) or 'none', not a required or named tool")
+        return v
 
     def wanted_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -106,6 +153,14 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: Union[str, list[int], list[str]]
     echo: bool = False
+    logprobs: Optional[int] = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise ValueError("log probabilities are not returned by this server; leave out logprobs")
+        return v
 
     @field_validator("prompt")
     @classmethod
