@@ -77,12 +77,15 @@ class TieredCache:
         """Ensure `tokens` free tokens in `tier`, evicting if needed. Atomic. With a `floor`
         (an eviction key), only nodes keyed below it may go: a load ahead of use must not push
         out what the policy ranks above the node it loads."""
-        short = tokens - self.free(tier)
-        if short <= 0:
-            return True
-        if floor is not None and self.index[tier].tokens_below(floor, short) < short:
+        if floor is not None and not self._room_below(tier, tokens, floor):
             return False
-        return self.evict(tier, short)
+        short = tokens - self.free(tier)
+        return short <= 0 or self.evict(tier, short)
+
+    def _room_below(self, tier: Tier, tokens: int, floor: tuple) -> bool:
+        """Free space plus the candidates keyed below `floor` cover `tokens`."""
+        short = tokens - self.free(tier)
+        return short <= 0 or self.index[tier].tokens_below(floor, short) >= short
 
     def evict(self, tier: Tier, tokens: int) -> bool:
         """Free at least `tokens` tokens of `tier` in the policy's order, or do nothing."""
@@ -157,6 +160,10 @@ class TieredCache:
         if nodes[0].parent.tier > dst:
             raise TreeError(f"cannot load {nodes[0]} above its parent {nodes[0].parent}")
         tokens = sum(n.tokens for n in nodes)
+        if allow_evict and floor is not None and not self._room_below(dst, tokens, floor):
+            # decided before pinning: a pin and unpin re-key the whole path, and a load waiting
+            # for room is offered again at every decode round (pinning only takes candidates away)
+            return None
         deepest = nodes[-1]
         self.tree.lock(deepest)  # pin first: making room must not evict what we load
         room = self.make_room(dst, tokens, floor) if allow_evict else self.free(dst) >= tokens
