@@ -32,12 +32,16 @@ def test_a_load_with_a_floor_evicts_only_nodes_keyed_below_it():
     cache.check()
 
 
-def test_a_load_whose_room_lies_above_its_floor_changes_nothing():
+def test_a_load_whose_room_lies_above_its_floor_changes_nothing(monkeypatch):
     cache, x, a, b, c = _lru_full_device()
     before = (list(cache.usage), cache.stats.evictions)
+    keyed = []   # refused before the pin: no node is re-keyed (a queued load is offered every round)
+    monkeypatch.setattr(cache, "refresh", keyed.append)
     assert cache.prepare_load([x], keep_lock=False, floor=(0.5,)) is None
+    assert keyed == []
     assert (list(cache.usage), cache.stats.evictions) == before
     assert x.lock == 0 and {a.tier, b.tier, c.tier} == {Tier.DEVICE}
+    monkeypatch.undo()
     cache.check()
 
 
