@@ -1,6 +1,7 @@
 """The simulated engine against hand-computed costs, cache reuse, and bench determinism."""
 
 import json
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -71,8 +72,9 @@ def test_oversized_call_is_a_clear_error():
 
 
 def test_open_loop_starts_each_workflow_at_its_t_and_needs_every_t():
+    @dataclass
     class Starts(Recorder):
-        seen: dict = {}
+        seen: dict = field(default_factory=dict)   # workflow id -> start time
 
         def workflow_started(self, i, workflow_id, now):
             super().workflow_started(i, workflow_id, now)
