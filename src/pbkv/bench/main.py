@@ -77,11 +77,11 @@ def check_routers(args: BenchArgs) -> None:
 def run(args: BenchArgs, console: Console) -> list[dict]:
     pols = check(args)
     for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
-        workload = load_workload(s)
+        workload, name = load_workload(s), s.trace or s.name
         if not workload.workflows:
-            raise ValueError(f"{s.trace or s.name}: no calls to replay")
+            raise ValueError(f"{name}: no calls to replay")
         if None in args.concurrency and args.engine != "vllm":
-            check_arrivals(workload.workflows, s.trace or s.name)
+            check_arrivals(workload.workflows, name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
     with _bar(console) as bar:

@@ -39,9 +39,12 @@ from pbkv.trace import Call, Trace
 TEMPERATURES = np.exp(np.linspace(np.log(0.25), np.log(8.0), 81))
 
 
+def _trace_list(traces: Trace | list[Trace]) -> list[Trace]:
+    return [traces] if isinstance(traces, Trace) else list(traces)
+
+
 def workflows_of(traces: Trace | list[Trace]) -> list[list[Call]]:
-    traces = [traces] if isinstance(traces, Trace) else list(traces)
-    return [calls for t in traces for calls in t.workflows().values() if calls]
+    return [calls for t in _trace_list(traces) for calls in t.workflows().values() if calls]
 
 
 def known_agents(wfs: list[list[Call]], min_count: int = 3) -> list[str]:
@@ -216,7 +219,7 @@ def _train_predictor(traces, variant, horizon, epochs, seed, progress, opt: Trai
     t0 = time.perf_counter()
     wfs = workflows_of(traces)
     if not wfs:
-        files = [t.path for t in (traces if isinstance(traces, list) else [traces]) if getattr(t, "path", None)]
+        files = [t.path for t in _trace_list(traces) if t.path]
         raise ValueError(f"{', '.join(files)}: no workflows to train on" if files else "no workflows to train on")
     agents = known_agents(wfs, opt.min_count)
     cfg = ModelConfig(n_agents=len(agents), horizon=horizon, variant=variant, dim=opt.dim, hidden=opt.hidden,
