@@ -109,6 +109,22 @@ def test_errors_are_clear_and_exit_2(tmp_path):
         assert r.exit_code == 2 and "pbkv needs a predictor: pass --predictor DIR" in r.output
 
 
+def test_a_split_that_would_leave_a_part_empty_is_an_error(tmp_path):
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    assert invoke("gen", "finance", "--workflows", 1, "-o", one).exit_code == 0
+    assert invoke("gen", "finance", "--workflows", 2, "-o", two).exit_code == 0
+    outs = ["--train-out", tmp_path / "a.jsonl", "--test-out", tmp_path / "b.jsonl"]
+    r = invoke("trace", "split", one, *outs)
+    assert r.exit_code == 2 and "one.jsonl: holds 1 task group(s); a split needs at least two" in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "a.jsonl").exists()  # nothing half-written
+    r = invoke("trace", "split", two, *outs, "--test-fraction", 0.01)
+    assert r.exit_code == 2 and "all 2 task groups fell in the train part, none in test" in " ".join(r.output.split()), r.output
+    r = invoke("trace", "split", two, *outs, "--test-fraction", 0)  # asked for: every workflow in train
+    assert r.exit_code == 0 and "2 workflows" in " ".join(r.output.split()), r.output
+    r = invoke("predict-eval", "--trace", one, "--split")
+    assert r.exit_code == 2 and "one.jsonl: holds 1 task group(s)" in " ".join(r.output.split()), r.output
+
+
 def test_trace_stats_on_a_multi_agent_trace_with_heldout():
     f = DATA / "chatdev-mini.jsonl"  # figures counted by hand in test_trace_stats.py
     r = invoke("trace", "stats", f, "--heldout", f)
@@ -126,7 +142,8 @@ def test_help_lists_commands_in_the_order_a_newcomer_uses_them():
 
 
 def test_an_option_shared_by_commands_is_declared_once():
-    """Same name, same declaration (flags, help) wherever it appears: `cli/common.py`."""
+    """Same name, same declaration (flags, help) wherever it appears: `cli/common.py`; -o/--output
+    keeps its flags and names what the command writes."""
     import typer.main
 
     def commands(group, prefix=""):
@@ -138,5 +155,6 @@ def test_an_option_shared_by_commands_is_declared_once():
     seen: dict[str, tuple] = {}
     for where, cmd in commands(typer.main.get_command(app)):
         for p in cmd.params:
-            decl = (tuple(p.opts), getattr(p, "help", None))
+            # -o/--output says what each command writes there (`common.output_opt`): flags only
+            decl = (tuple(p.opts), None if p.opts[-1] == "--output" else getattr(p, "help", None))
             assert seen.setdefault(p.opts[-1], (where, decl))[1] == decl, (where, seen[p.opts[-1]][0], decl)

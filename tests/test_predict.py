@@ -34,15 +34,16 @@ def make_trace(workflows: list[list[str]], contexts: list[list[str | None]] | No
     return Trace(meta=TraceMeta(), calls=calls)
 
 
-def routed(n: int, seed: int = 0) -> Trace:
+def routed(n: int, seed: int = 0, tasks: bool = True) -> Trace:
     """A router whose next agent is named by a word of the context (alpha/beta, 50/50), then a
-    reviewer, then END. From the agents alone the router's successor is a coin flip."""
+    reviewer, then END. From the agents alone the router's successor is a coin flip. With `tasks`
+    the context starts with a "task:" line: two task groups, which `split_by_task` keeps whole."""
     rng = np.random.default_rng(seed)
     wfs, ctxs = [], []
     for _ in range(n):
         word = "alpha" if rng.random() < 0.5 else "beta"
         wfs.append(["router", f"{word}_worker", "reviewer"])
-        ctx = f"task: please handle the {word} request now"
+        ctx = f"{'task: ' if tasks else ''}please handle the {word} request now"
         ctxs.append([ctx, ctx + "\nprevious output: done", ctx + "\nprevious output: reviewed"])
     return make_trace(wfs, ctxs)
 
@@ -261,7 +262,7 @@ def invoke(*args):
 
 def test_cli_train_and_predict_eval(tmp_path):
     trace = tmp_path / "t.jsonl"
-    write_trace(routed(60), trace)
+    write_trace(routed(60, tasks=False), trace)  # one task per workflow: --split has two halves
     r = invoke("train", "--trace", trace, "-o", tmp_path / "m", "--epochs", 3, "--seed", 1)
     assert r.exit_code == 0, r.output
     assert "parameters" in r.output and "train-set top-1" in r.output

@@ -76,7 +76,7 @@ def test_agentic_needs_its_block_size():
 BAD = [
     ("mooncake", "mooncake_hash_len.jsonl", r"mooncake_hash_len.jsonl:2: field 'hash_ids': expected 3 ids for "
                                             r"input_length 1200 and source block size 512, found 2"),
-    ("mooncake", "mooncake_no_timestamp.jsonl", r"mooncake_no_timestamp.jsonl:2: field 'timestamp': required field is missing, missing"),
+    ("mooncake", "mooncake_no_timestamp.jsonl", r"mooncake_no_timestamp.jsonl:2: field 'timestamp': required field is missing$"),
     ("mooncake", "mooncake_json.jsonl", r"mooncake_json.jsonl:3: not valid JSON"),
     ("mooncake", "mooncake_output.jsonl", r"mooncake_output.jsonl:1: field 'output_length': expected an integer >= 0, got -3"),
     ("bailian", "bailian_dup.jsonl", r"bailian_dup.jsonl:2: field 'chat_id': duplicate chat_id \(first at line 1\), got 10"),
@@ -96,6 +96,13 @@ BAD = [
 def test_malformed_rows_fail_with_file_line_field_and_value(fmt, name, message):
     with pytest.raises(TraceError, match=message):
         import_trace(fmt, DATA / "bad" / name, source_block_size=32 if fmt == "agentic-mooncake" else None)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"], ids=["empty", "blank-lines"])
+def test_a_file_without_rows_is_an_error_not_an_empty_trace(tmp_path, text):
+    (tmp_path / "e.jsonl").write_text(text)
+    with pytest.raises(TraceError, match=r"e.jsonl: no bailian rows to import"):
+        import_trace("bailian", tmp_path / "e.jsonl")
 
 
 def test_limit_keeps_the_first_rows_and_reports_links_past_the_cut():

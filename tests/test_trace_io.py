@@ -44,7 +44,7 @@ def test_gzip_output_is_byte_identical(tmp_path):
 @pytest.mark.parametrize("lines, message", [
     ([META, "{not json"], r"t.jsonl:2: not valid JSON"),
     ([META, [1, 2]], r"t.jsonl:2: expected a JSON object, got \[1, 2\]"),
-    ([META, {k: v for k, v in call().items() if k != "agent"}], r"t.jsonl:2: field 'agent': required field is missing, missing"),
+    ([META, {k: v for k, v in call().items() if k != "agent"}], r"t.jsonl:2: field 'agent': required field is missing$"),
     ([META, call(step="0")], r"t.jsonl:2: field 'step': expected an integer >= 0, got '0'"),
     ([META, call(step=True)], r"field 'step': expected an integer >= 0, got true"),
     ([META, call(input_length=0, hash_ids=[])], r"field 'input_length': expected an integer >= 1, got 0"),

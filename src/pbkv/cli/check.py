@@ -10,12 +10,13 @@ import typer
 
 from pbkv.cli.bench import hf_config
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, LoadRuleOpt, ModelOpt,
-                             OutOpt, OutputOpt, OutputScaleOpt, PoliciesOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt,
-                             TrainOpt, WorkflowsOpt, WorkloadOpt, console, exit_on_error, one_concurrency, split, strs)
+                             OutOpt, OutputScaleOpt, PoliciesOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt,
+                             TrainOpt, WorkflowsOpt, WorkloadOpt, console, exit_on_error, one_concurrency, output_opt,
+                             split, strs)
 
 
 def calibrate(
-    output: OutputOpt,
+    output: output_opt("the profile JSON (for --profile FILE)"),
     model: ModelOpt = "tiny",
     max_len: Annotated[int, typer.Option(min=32, help="Longest prompt measured, in tokens.")] = 512,
     repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement (the best counts).")] = 2,

@@ -37,9 +37,14 @@ TrainOpt = Annotated[Optional[list[Path]], typer.Option(
 WorkflowsOpt = Annotated[int, typer.Option(min=1, help="Workflows per generated workload.")]
 SeedOpt = Annotated[int, typer.Option(help="Random seed: generated workloads, training, splits, sampling.")]
 TraceFileArg = Annotated[Path, typer.Argument(help="Trace file.")]
-OutputOpt = Annotated[Path, typer.Option(
-    "-o", "--output", help="Where to write: a trace (gen, trace flatten), a predictor folder (train), a profile "
-                           "JSON (calibrate).")]
+
+
+def output_opt(what: str):
+    """`-o/--output` whose help says what the command writes there."""
+    return Annotated[Path, typer.Option("-o", "--output", help=f"Where to write {what}.")]
+
+
+OutputOpt = output_opt("the trace (.jsonl; .jsonl.gz compresses)")
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")]
 OutOpt = Annotated[Path, typer.Option(help="Folder for the JSON results, plots, profile and trained predictors.")]
 

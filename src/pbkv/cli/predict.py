@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, OutputOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
-                             check_horizon, console, exit_on_error, fail)
+from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
+                             check_horizon, console, exit_on_error, fail, output_opt)
 
 # (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
 VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"), ("context", "context-only", "context_"))
@@ -18,7 +18,7 @@ VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"),
 
 def train(
     trace: TracesOpt,
-    output: OutputOpt,
+    output: output_opt("the predictor folder (for --predictor DIR)"),
     horizon: HorizonOpt = 3,
     variant: Annotated[str, typer.Option(help="fused | history | context.")] = "fused",
     epochs: EpochsOpt = None,
@@ -85,10 +85,13 @@ def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> list[tu
     """(label, JSON key prefix, metrics) of a saved predictor and its Markov baseline."""
     from pbkv.predict import evaluate, load_predictor, split_by_task
     from pbkv.trace import read_trace
+    from pbkv.trace.transform import require_both_parts
     p = load_predictor(predictor)
     data = read_trace(trace)
     if split:
-        data = split_by_task(data, 0.5, seed)[1]
+        halves = split_by_task(data, 0.5, seed)
+        require_both_parts(*halves, str(trace))
+        data = halves[1]
     rows = [(p.name, "", evaluate(p, data))]
     if p.markov is not None:
         rows.append(("markov", "markov_", evaluate(p.markov, data)))
@@ -99,10 +102,12 @@ def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tupl
     """Train the three variants and Markov here; their metrics on the test data."""
     from pbkv.predict import evaluate, fit_markov, split_by_task, train_predictor
     from pbkv.trace import read_trace
+    from pbkv.trace.transform import require_both_parts
     if train is not None and test is not None and trace is None:
         fit, data = [read_trace(t) for t in train], read_trace(test)
     elif trace is not None and split and train is None and test is None:
         fit, data = split_by_task(read_trace(trace), 0.5, seed)
+        require_both_parts(fit, data, str(trace))
     else:
         fail("give --predictor DIR --trace FILE, or --train FILE --test FILE, or --trace FILE --split")
     rows = []

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, console, exit_on_error,
-                             fail)
+                             fail, output_opt)
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
 
@@ -62,10 +62,12 @@ def trace_split_cmd(
 ):
     """Split a trace by task (no task in both parts), e.g. to train on one half and replay the other."""
     from pbkv.trace import read_trace, write_trace
-    from pbkv.trace.transform import split_by_task
+    from pbkv.trace.transform import require_both_parts, split_by_task
 
     with exit_on_error():
         train, test = split_by_task(read_trace(file), test_fraction, seed)
+        if 0 < test_fraction < 1:  # 0 or 1 asks for an empty part
+            require_both_parts(train, test, str(file))
     write_trace(train, train_out)
     write_trace(test, test_out)
     console.print(f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
@@ -141,7 +143,7 @@ def trace_import_cmd(
 def trace_export_cmd(
     file: TraceFileArg,
     fmt: Annotated[str, typer.Option("--to", help="agentic-mooncake.")],
-    output: OutputOpt,
+    output: output_opt("the exported file (.jsonl; .jsonl.gz compresses)"),
 ):
     """Write a pbkv trace in a format other replay tools read (Dynamo's agentic-mooncake)."""
     from pbkv.trace.formats import export_file

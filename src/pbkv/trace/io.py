@@ -58,13 +58,13 @@ class RowChecker:
         self.where, self.obj = where, obj
 
     def fail(self, field: str, msg: str):
-        value = self.obj.get(field, None)
-        shown = "missing" if field not in self.obj else f"got {show_value(value)}"
+        """Raise: '{where}: field '{field}': {msg}, got {value}' (or ', missing' when absent)."""
+        shown = f"got {show_value(self.obj[field])}" if field in self.obj else "missing"
         raise TraceError(f"{self.where}: field '{field}': {msg}, {shown}")
 
     def required(self, field: str):
-        if field not in self.obj:
-            self.fail(field, "required field is missing")
+        if field not in self.obj:  # 'missing' once: fail() would add ', missing' to it
+            raise TraceError(f"{self.where}: field '{field}': required field is missing")
         return self.obj[field]
 
     def int_field(self, field: str, minimum: int, required: bool = True):

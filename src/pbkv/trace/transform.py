@@ -36,6 +36,19 @@ def split_by_task(trace: Trace, test_fraction: float = 0.5, seed: int = 0) -> tu
     return train, test
 
 
+def require_both_parts(train: Trace, test: Trace, where: str) -> None:
+    """Raise ValueError (naming `where`) when a split left one part without workflows: an empty
+    half would fail later, in training or replay, far from its cause."""
+    if train.calls and test.calls:
+        return
+    groups = len({task_key(calls) for t in (train, test) for calls in t.workflows().values()})
+    if groups < 2:
+        raise ValueError(f"{where}: holds {groups} task group(s); a split needs at least two")
+    full, empty = ("train", "test") if train.calls else ("test", "train")
+    raise ValueError(f"{where}: all {groups} task groups fell in the {full} part, none in {empty}: "
+                     f"try another --seed or --test-fraction")
+
+
 def flatten(trace: Trace) -> Trace:
     calls = []
     for call in trace.calls:

@@ -65,6 +65,8 @@ def import_trace(name: str, path: str | Path, *, limit: int | None = None, block
     report = ImportReport(name, str(path), source_block_size=source, block_size=target,
                           limited=limit is not None)
     rows = read_rows(path, limit)
+    if not rows:  # an empty output trace would only fail later, in bench or train, far from its cause
+        raise TraceError(f"{path}: no {name} rows to import (the file is empty or holds only blank lines)")
     report.rows = len(rows)
     calls = fmt.read(rows, source, report)
     chain = Rechainer(source, target)
