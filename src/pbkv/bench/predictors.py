@@ -24,7 +24,7 @@ from pbkv.predict.store import has_predictor
 
 # Workflows generated to train a generated workload's predictors (at least; more when the replay
 # has more). Training runs a fixed budget of optimizer steps (`TrainOptions.target_steps`), so more
-# workflows cost generation time, not training time: swe's fused predictor trains in 35 s on 2,000
+# workflows cost generation time, not training time: swe's fused predictor trained as fast on 2,000
 # as on 500. With 500, swe's top-1 accuracy at k = 1 was 0.763 against 0.784 for the Bayes-optimal
 # predictor of its spec (examples/bayes_policies.py); with 2,000 it is 0.782 (hover: 0.944 -> 0.946,
 # already at its bound). docs/benchmarks.md, "What limits pbkv: the predictions".

@@ -151,8 +151,12 @@ class TrainOptions:
     weight_decay: float = 0.1
     min_count: int = 3          # agents with fewer training calls are UNK
     unk_fraction: float = 0.1   # workflows copied with one agent renamed UNK
-    target_steps: int = 2500    # epochs=None: about this many optimizer steps ...
-    max_epochs: int = 200       # ... within 8..max_epochs epochs (more did not help small traces)
+    # epochs=None: about `target_steps` optimizer steps within 8..max_epochs epochs. Small traces
+    # (under ~800 samples) hit max_epochs first; more did not help them. On 2,000 generated
+    # workflows 1,250 steps (8-11 epochs) predict as well as 2,500 did (held-out top-1 at k = 1:
+    # swe 0.777 both, dialogue 0.909 / 0.909, hover 0.940 / 0.942) in half the time.
+    target_steps: int = 1250
+    max_epochs: int = 200
     calib_fraction: float = 0.1  # workflows held out to fit the temperatures
     refit_below: int = 3000     # fewer samples: retrain on all workflows after calibrating
     hidden_fn: Callable[[Call], np.ndarray] | None = None  # context_dim > 0: the hidden state of a call
