@@ -1,9 +1,9 @@
 """The `pbkv` command end to end (typer's runner, real files)."""
 
 import json
-
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from pbkv.cli import app
@@ -107,6 +107,26 @@ def test_errors_are_clear_and_exit_2(tmp_path):
     for cmd in ("sim", "policy"):
         r = invoke("perf", cmd, "--policy", "pbkv", "--workflows", 3)
         assert r.exit_code == 2 and "pbkv needs a predictor: pass --predictor DIR" in r.output
+
+
+def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, monkeypatch):
+    import pbkv.bench.main
+    monkeypatch.setattr(pbkv.bench.main, "run", lambda *a: pytest.fail("the run started"))
+    monkeypatch.chdir(tmp_path)  # short relative paths: the error box wraps long ones
+    Path("f").write_text("")
+    Path("d").mkdir()
+    cases = [
+        (("gen", "hover", "-o", "d"), "d is a folder; give a file name"),
+        (("gen", "hover", "-o", "f/x.jsonl"), "f is a file, so f/x.jsonl cannot be written"),
+        (("bench", "--policies", "lru", "--out", "f"), "f is a file; give a folder"),
+        (("bench", "--policies", "lru", "--json", "d"), "d is a folder; give a file name"),
+        (("train", "--trace", "f", "-o", "f"), "f is a file; give a folder"),
+        (("trace", "split", "f", "--train-out", "d", "--test-out", "b.jsonl"), "d is a folder; give a file name"),
+    ]
+    for args, message in cases:
+        r = invoke(*args)
+        said = " ".join(r.output.replace("│", " ").split())  # typer's error box, unwrapped
+        assert r.exit_code == 2 and message in said, (args, r.output)
 
 
 def test_a_split_that_would_leave_a_part_empty_is_an_error(tmp_path):

@@ -34,6 +34,32 @@ def test_reads_a_valid_trace_and_keeps_unknown_fields(tmp_path):
     assert gzip.open(tmp_path / "copy.jsonl.gz").read().startswith(b'{"pbkv_trace":1')
 
 
+def test_a_failed_write_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    import pbkv.trace.io as trace_io
+    path = write_trace(Trace(TraceMeta(block_size=4), [Call("w", 0, "a", 4, 1, [7])]), tmp_path / "t.jsonl")
+    before = path.read_bytes()
+
+    def lines_then_fail(trace):
+        yield '{"pbkv_trace":1}'
+        raise OSError("disk full")
+    monkeypatch.setattr(trace_io, "iter_lines", lines_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        write_trace(Trace(TraceMeta(block_size=4), []), path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.jsonl"]
+
+
+def test_a_written_trace_has_the_umasks_mode_and_a_folder_is_refused(tmp_path):
+    import os
+    old = os.umask(0o022)
+    try:
+        path = write_trace(Trace(TraceMeta(block_size=4), [Call("w", 0, "a", 4, 1, [7])]), tmp_path / "t.jsonl")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644  # not a temporary file's 0600
+    with pytest.raises(ValueError, match="is a folder; give a file name"):
+        write_trace(read_trace(path), tmp_path)
+
+
 def test_gzip_output_is_byte_identical(tmp_path):
     trace = Trace(TraceMeta(block_size=4), [Call("w", 0, "a", 4, 1, [7])])
     a = write_trace(trace, tmp_path / "a.jsonl.gz").read_bytes()

@@ -3,6 +3,8 @@ cut byte-wise where a killed write can stop)."""
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 from typer.testing import CliRunner
 
@@ -58,6 +60,9 @@ def test_a_cut_first_run_leaves_the_metadata_and_a_whole_file_is_copied(tmp_path
     out = tmp_path / "copy.jsonl"
     r = runner.invoke(app, ["trace", "repair", str(g), "-o", str(out)])
     assert r.exit_code == 0 and "not cut" in " ".join(r.output.split()) and out.read_bytes() == whole
+    gz = tmp_path / "copy.jsonl.gz"  # compressed like every trace written to a .gz name
+    assert runner.invoke(app, ["trace", "repair", str(g), "-o", str(gz)]).exit_code == 0
+    assert gzip.decompress(gz.read_bytes()) == whole
 
 
 def test_a_recording_cut_at_a_line_end_drops_its_unfinished_run_another_trace_is_kept(tmp_path):

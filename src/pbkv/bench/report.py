@@ -8,6 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from pbkv.trace.io import replaced_on_success
+
 
 def _fmt(v, pct=False):
     if v is None:
@@ -160,8 +162,9 @@ def print_tables(records: list[dict], console: Console | None = None) -> None:
 
 
 def write_json(records: list[dict], path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(records, indent=1) + "\n")
+    """Write the records; the file appears whole or not at all (a killed run leaves no half JSON)."""
+    with replaced_on_success(path) as tmp:
+        tmp.write_text(json.dumps(records, indent=1) + "\n")
     return path
 
 

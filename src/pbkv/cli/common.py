@@ -39,14 +39,40 @@ SeedOpt = Annotated[int, typer.Option(help="Random seed: generated workloads, tr
 TraceFileArg = Annotated[Path, typer.Argument(help="Trace file.")]
 
 
-def output_opt(what: str):
-    """`-o/--output` whose help says what the command writes there."""
-    return Annotated[Path, typer.Option("-o", "--output", help=f"Where to write {what}.")]
+def output_file(path: Path | None) -> Path | None:
+    """An output file's path is checked when the command line is read, before any work: a run
+    must not train or measure for minutes and then fail to write its result."""
+    if path is not None and path.is_dir():
+        raise typer.BadParameter(f"{path} is a folder; give a file name")
+    _no_file_above(path)
+    return path
+
+
+def output_folder(path: Path | None) -> Path | None:
+    """An output folder's path, checked like `output_file`'s."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is a file; give a folder")
+    _no_file_above(path)
+    return path
+
+
+def _no_file_above(path: Path | None) -> None:
+    for above in path.parents if path is not None else ():
+        if above.exists() and not above.is_dir():
+            raise typer.BadParameter(f"{above} is a file, so {path} cannot be written")
+
+
+def output_opt(what: str, folder: bool = False):
+    """`-o/--output` whose help says what the command writes there (a file, or with `folder` a folder)."""
+    return Annotated[Path, typer.Option("-o", "--output", help=f"Where to write {what}.",
+                                        callback=output_folder if folder else output_file)]
 
 
 OutputOpt = output_opt("the trace (.jsonl; .jsonl.gz compresses)")
-JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.")]
-OutOpt = Annotated[Path, typer.Option(help="Folder for the JSON results, plots, profile and trained predictors.")]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.",
+                                                 callback=output_file)]
+OutOpt = Annotated[Path, typer.Option(help="Folder for the JSON results, plots, profile and trained predictors.",
+                                      callback=output_folder)]
 
 # ---- what runs
 PoliciesOpt = Annotated[str, typer.Option(

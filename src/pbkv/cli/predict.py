@@ -18,7 +18,7 @@ VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"),
 
 def train(
     trace: TracesOpt,
-    output: output_opt("the predictor folder (for --predictor DIR)"),
+    output: output_opt("the predictor folder (for --predictor DIR)", folder=True),
     horizon: HorizonOpt = 3,
     variant: Annotated[str, typer.Option(help="fused | history | context.")] = "fused",
     epochs: EpochsOpt = None,

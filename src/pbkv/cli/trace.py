@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, console, exit_on_error,
-                             fail, output_opt)
+                             fail, output_file, output_opt)
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
 
@@ -28,9 +28,8 @@ def gen(
     if (workload is None) == (spec is None):
         fail(f"give a built-in workload ({', '.join(builtin_names())}) or --spec FILE, not both")
     with exit_on_error():
-        s = load_spec(str(spec) if spec else workload)
-    trace = generate(s, workflows, seed)
-    write_trace(trace, output)
+        trace = generate(load_spec(str(spec) if spec else workload), workflows, seed)
+        write_trace(trace, output)
     console.print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}")
 
 
@@ -55,8 +54,9 @@ def trace_stats_cmd(
 @trace_app.command("split")
 def trace_split_cmd(
     file: TraceFileArg,
-    train_out: Annotated[Path, typer.Option("--train-out", help="Where the first part goes.")],
-    test_out: Annotated[Path, typer.Option("--test-out", help="Where the held-out part goes.")],
+    train_out: Annotated[Path, typer.Option("--train-out", help="Where the first part goes.", callback=output_file)],
+    test_out: Annotated[Path, typer.Option("--test-out", help="Where the held-out part goes.",
+                                           callback=output_file)],
     test_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of task groups held out.")] = 0.5,
     seed: SeedOpt = 0,
 ):
@@ -68,8 +68,8 @@ def trace_split_cmd(
         train, test = split_by_task(read_trace(file), test_fraction, seed)
         if 0 < test_fraction < 1:  # 0 or 1 asks for an empty part
             require_both_parts(train, test, str(file))
-    write_trace(train, train_out)
-    write_trace(test, test_out)
+        write_trace(train, train_out)
+        write_trace(test, test_out)
     console.print(f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
 
 
@@ -81,31 +81,23 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
 
     with exit_on_error():
         trace = flatten(read_trace(file))
-    write_trace(trace, output)
+        write_trace(trace, output)
     console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
 
 
 @trace_app.command("repair")
 def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
     """Keep the whole runs of a trace whose writer was killed mid-write (`serve --record`)."""
-    import os
-    import tempfile
-
     from pbkv.trace import read_trace
+    from pbkv.trace.io import open_trace, replaced_on_success
     from pbkv.trace.repair import repair
 
     with exit_on_error():
         fixed = repair(file)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(fixed.data)
-        try:
+        with replaced_on_success(output) as tmp:
+            with open_trace(tmp, "w") as f:  # gzip when OUTPUT ends in .gz, like every trace written
+                f.write(fixed.data.decode("utf-8"))
             trace = read_trace(tmp)      # what is kept must be a valid trace
-        except Exception:
-            os.unlink(tmp)
-            raise
-        os.replace(tmp, output)
     kept = f"kept {len(trace.calls)} calls of {len(trace.workflows())} workflows in {output}"
     if fixed.cut_line is None:
         console.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")

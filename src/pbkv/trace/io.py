@@ -10,6 +10,8 @@ import gzip
 import io
 import json
 import math
+import os
+import uuid
 from pathlib import Path
 from contextlib import contextmanager
 from typing import IO, Iterable, Iterator
@@ -242,11 +244,34 @@ def iter_lines(trace: Trace) -> Iterable[str]:
         yield json.dumps(call_to_dict(call), separators=(",", ":"))
 
 
-def write_trace(trace: Trace, path: str | Path) -> Path:
-    """Write the metadata line then one line per call; gzip when the name ends in `.gz`."""
+@contextmanager
+def replaced_on_success(path: str | Path) -> Iterator[Path]:
+    """A temporary file beside `path` (same suffix) that replaces `path` when the block ends
+    without an error and is removed otherwise: `path` is the old file or the whole new one, never
+    half of one. A writer killed outright leaves at most a hidden `.NAME.<8 hex>SUFFIX` beside it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open_trace(path, "w") as f:
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name")
+    # created with open(.., "x"), not mkstemp: the file gets the umask's mode (mkstemp's is 0600)
+    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}{path.suffix}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        open(tmp, "x").close()
+    except OSError as e:  # name the file asked for, not the temporary one
+        raise OSError(f"{path}: cannot write ({e.strerror or e})") from None
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Write the metadata line then one line per call; gzip when the name ends in `.gz`.
+    The file appears whole or not at all (`replaced_on_success`)."""
+    path = Path(path)
+    with replaced_on_success(path) as tmp, open_trace(tmp, "w") as f:
         for line in iter_lines(trace):
             f.write(line + "\n")
     return path

@@ -17,7 +17,7 @@ from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.trace.formats import agentic, bailian, mooncake
 from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, read_rows
 from pbkv.trace.formats.blocks import Rechainer
-from pbkv.trace.io import TraceError, open_trace, read_trace, validate, write_trace
+from pbkv.trace.io import TraceError, open_trace, read_trace, replaced_on_success, validate, write_trace
 
 __all__ = ["FORMATS", "Edge", "ExportReport", "Format", "ImportReport", "Rechainer", "export_file",
            "import_file", "import_trace"]
@@ -93,7 +93,5 @@ def export_file(name: str, src: str | Path, dst: str | Path) -> ExportReport:
     """Read a pbkv trace and write it in format `name` (gzip when `dst` ends in `.gz`)."""
     fmt = _format(name, "write")
     trace = read_trace(src)
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with open_trace(dst, "w") as f:
+    with replaced_on_success(dst) as tmp, open_trace(tmp, "w") as f:
         return fmt.write(trace, f)
