@@ -122,6 +122,8 @@ def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, m
         (("bench", "--policies", "lru", "--json", "d"), "d is a folder; give a file name"),
         (("train", "--trace", "f", "-o", "f"), "f is a file; give a folder"),
         (("trace", "split", "f", "--train-out", "d", "--test-out", "b.jsonl"), "d is a folder; give a file name"),
+        (("serve", "--record", "f"), "f is a file; give a folder"),
+        (("serve", "--shared-dir", "f"), "f is a file; give a folder"),
     ]
     for args, message in cases:
         r = invoke(*args)

@@ -40,14 +40,22 @@ class PrefetchCandidates:
         self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
         self.offloaded: dict[int, Node] = {}     # nodes evicted below the device
         self.queued: dict[int, tuple[float, Node]] = {}  # workflow -> (arrival, its prompt's cached node then)
+        self.on_node: dict[int, dict[int, float]] = {}   # node id -> {workflow: arrival}: `queued` by node
 
     def arrived(self, workflow: int, now: float, node: Node) -> None:
         """A call of `workflow` arrived; `node` is the deepest cached node of its prompt (the
         root when none is cached)."""
+        self.served(workflow)
         self.queued[workflow] = (now, node)
+        self.on_node.setdefault(node.id, {})[workflow] = now
 
     def served(self, workflow: int) -> None:
-        self.queued.pop(workflow, None)
+        entry = self.queued.pop(workflow, None)
+        if entry is not None:
+            waiting = self.on_node[entry[1].id]
+            del waiting[workflow]
+            if not waiting:
+                del self.on_node[entry[1].id]
 
     def waiting(self) -> list[Node]:
         """Queued prefixes below the device, earliest arrival first (a call with nothing cached
@@ -61,8 +69,8 @@ class PrefetchCandidates:
 
     def arrival_on(self, node: Node) -> float | None:
         """The earliest arrival of a waiting call whose prompt's cached path ends at `node`."""
-        times = [at for at, n in self.queued.values() if n is node]
-        return min(times) if times else None
+        waiting = self.on_node.get(node.id)  # an index, not a scan of `queued`: asked per ranked node
+        return min(waiting.values()) if waiting else None
 
     def evicted(self, node: Node, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
