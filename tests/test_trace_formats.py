@@ -98,6 +98,25 @@ def test_malformed_rows_fail_with_file_line_field_and_value(fmt, name, message):
         import_trace(fmt, DATA / "bad" / name, source_block_size=32 if fmt == "agentic-mooncake" else None)
 
 
+@pytest.mark.parametrize("data, message", [
+    ("\ufeff{}".encode("utf-16"), r"m.jsonl:1: the file is UTF-16 \(it starts with a byte-order mark\)"),
+    (b"\x80{}\n", r"m.jsonl:1: not UTF-8 text \(byte 0x80 at column 1\)"),
+    (b'{"timestamp": 0}\n{"timest', r"m.jsonl:2: not valid JSON .*the file ends inside this line \(its writer "
+                                     r"killed while writing\?\)$"),  # no `pbkv trace repair` hint: not a pbkv file
+], ids=["utf-16", "not-utf-8", "cut"])
+def test_unreadable_bytes_fail_with_file_and_line_as_in_the_native_reader(tmp_path, data, message):
+    (tmp_path / "m.jsonl").write_bytes(data)
+    with pytest.raises(TraceError, match=message):
+        import_trace("mooncake", tmp_path / "m.jsonl")
+
+
+def test_limit_stops_before_a_bad_line_past_it(tmp_path):
+    good = open(DATA / "mooncake.jsonl").readline()
+    (tmp_path / "m.jsonl").write_text(good + "{not json\n")
+    trace, report = import_trace("mooncake", tmp_path / "m.jsonl", limit=1)
+    assert report.rows == 1 and len(trace.calls) == 1
+
+
 @pytest.mark.parametrize("text", ["", "\n  \n"], ids=["empty", "blank-lines"])
 def test_a_file_without_rows_is_an_error_not_an_empty_trace(tmp_path, text):
     (tmp_path / "e.jsonl").write_text(text)

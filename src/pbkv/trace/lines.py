@@ -101,19 +101,21 @@ def parse_json(text: str, where: str):
     return value
 
 
-def _parse_line(text: str, where: str, cut: bool):
-    """`parse_json`, saying so when the file ends inside this line (no newline after it)."""
+def _parse_line(text: str, where: str, cut: bool, pbkv: bool):
+    """`parse_json`, saying so when the file ends inside this line (no newline after it), and for
+    a pbkv trace (`pbkv`) how to keep what came before."""
     try:
         return parse_json(text, where)
     except TraceError as e:
         if not cut:
             raise
-        raise TraceError(f"{e}; the file ends inside this line (its writer killed while writing?): "
-                         f"`pbkv trace repair FILE -o OUT` keeps the whole runs before it") from None
+        repair = ": `pbkv trace repair FILE -o OUT` keeps the whole runs before it" if pbkv else ""
+        raise TraceError(f"{e}; the file ends inside this line (its writer killed while writing?){repair}") from None
 
 
-def read_lines(path: str | Path, name: str | None = None) -> Iterator[tuple[int, str, object]]:
-    """Yield (line number, text, JSON value) for each non-blank line of a `.jsonl[.gz]` file."""
+def read_lines(path: str | Path, name: str | None = None, pbkv: bool = True) -> Iterator[tuple[int, str, object]]:
+    """Yield (line number, text, JSON value) for each non-blank line of a `.jsonl[.gz]` file;
+    `pbkv=False` for a foreign trace (`pbkv trace repair` does not apply to it)."""
     path = Path(path)
     name = name or display_name(path)
     line = 0
@@ -131,6 +133,6 @@ def read_lines(path: str | Path, name: str | None = None) -> Iterator[tuple[int,
                 where = f"{name}:{line}"
                 text = _decode(raw, where)
                 if text.strip():
-                    yield line, text, _parse_line(text, where, cut=not raw.endswith(b"\n"))
+                    yield line, text, _parse_line(text, where, not raw.endswith(b"\n"), pbkv)
     except (OSError, EOFError, zlib.error) as e:  # closing a gzip file can check its trailer
         raise _read_error(name, line + 1, e) from None

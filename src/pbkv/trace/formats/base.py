@@ -6,11 +6,11 @@ A foreign row is checked with the native reader's `RowChecker`, so a bad line fa
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pbkv.trace.io import TraceError, RowChecker, is_int, is_number, open_trace, show_value
+from pbkv.trace.io import TraceError, RowChecker, is_int, is_number, show_value
+from pbkv.trace.lines import display_name, read_lines
 
 
 @dataclass(slots=True)
@@ -27,25 +27,19 @@ class Row:
 
 
 def read_rows(path: str | Path, limit: int | None = None) -> list[Row]:
-    """The first `limit` rows (all when None) of a `.jsonl` or `.jsonl.gz` file, each a JSON object."""
-    path = Path(path)
-    if not path.exists():
-        raise TraceError(f"{path}: no such trace file")
+    """The first `limit` rows (all when None) of a `.jsonl` or `.jsonl.gz` file, each a JSON object.
+    Read by the native reader's `read_lines`: every way a file can be unreadable (not UTF-8, bad
+    gzip, JSON too deep...) is a `TraceError` naming FILE:LINE, as for a pbkv trace."""
     rows: list[Row] = []
-    with open_trace(path, "r") as f:
-        for lineno, text in enumerate(f, 1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not text.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
-            rows.append(Row(lineno, obj, RowChecker(where, obj)))
+    if limit is not None and limit < 1:
+        return rows
+    for lineno, _, obj in read_lines(path, pbkv=False):
+        where = f"{display_name(Path(path))}:{lineno}"
+        if not isinstance(obj, dict):
+            raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
+        rows.append(Row(lineno, obj, RowChecker(where, obj)))
+        if len(rows) == limit:  # stop before reading on: lines past the limit are never parsed
+            break
     return rows
 
 
