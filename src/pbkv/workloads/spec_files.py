@@ -97,6 +97,10 @@ def load_spec(name_or_path: str | Path) -> WorkflowSpec:
     try:
         raw = path.read_text(encoding="utf-8")
         data = json.loads(raw) if path.suffix.lower() == ".json" else yaml.load(raw, Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{source}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except OSError as e:
+        raise SpecError(f"{source}: cannot read ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
     except yaml.YAMLError as e:
