@@ -380,7 +380,7 @@ def test_load_spec_errors(tmp_path):
     bad.write_text("- just a list\n")
     with pytest.raises(SpecError, match="expected a mapping"):
         load_spec(bad)
-    bad.write_bytes("name: x\n".encode("utf-16"))
+    bad.write_bytes(b"\xff\xfe" + "name: x\n".encode("utf-16-le"))
     with pytest.raises(SpecError, match=r"dup.yaml: not UTF-8 text \(byte 0xff at offset 0\)"):
         load_spec(bad)
 
