@@ -134,3 +134,17 @@ def test_two_requests_for_one_host_prefix_load_it_once():
     assert engine.cache.stats.loaded[1] == 160 and engine.stats.loads == 1
     assert rec.host_hit == 159 and rec.device_hit == 159  # the second waited for the load, then hit
     engine.cache.check()
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\xff{}", r"p.json: not UTF-8 text \(byte 0xff at offset 0\)"),
+    (b"[]", r"p.json: expected a JSON object, got list"),
+    (b'{"name": 3}', r"p.json: field 'name': Input should be a valid string, got 3"),
+    (None, r"unknown profile '.*nope.json' \(no such file\)"),
+], ids=["not-utf-8", "a-list", "bad-field", "missing"])
+def test_a_bad_profile_file_is_named_with_what_is_wrong(tmp_path, data, message):
+    path = tmp_path / ("nope.json" if data is None else "p.json")
+    if data is not None:
+        path.write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        load_profile(str(path))

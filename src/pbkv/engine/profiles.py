@@ -89,18 +89,29 @@ def builtin_profiles() -> list[str]:
 def load_profile(name_or_path: str) -> Profile:
     """A built-in profile name (see `builtin_profiles`) or a JSON file path."""
     path = Path(name_or_path)
-    if path.suffix == ".json" and path.exists():
-        text, where = path.read_text(), str(path)
+    if path.suffix == ".json" and path.is_file():
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read ({e.strerror or e})") from None
     elif name_or_path in builtin_profiles():
         ref = resources.files("pbkv.engine") / "profiles" / f"{name_or_path}.json"
         text, where = ref.read_text(), f"profile {name_or_path}"
     else:
-        raise ValueError(f"unknown profile {name_or_path!r}: not a JSON file; built-in profiles: "
+        what = "no such file" if path.suffix == ".json" else "not a built-in name nor a .json file"
+        raise ValueError(f"unknown profile {name_or_path!r} ({what}); built-in profiles: "
                          f"{', '.join(builtin_profiles())}")
     try:
-        return Profile.model_validate(json.loads(text))
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return Profile.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(x) for x in first["loc"])
