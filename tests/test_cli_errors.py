@@ -36,3 +36,15 @@ def test_a_device_too_small_for_a_call_fails_before_any_training(monkeypatch, tm
     assert r.exit_code != 0, r.output
     assert "more than the device capacity of 10; raise --device-tokens" in " ".join(r.output.split()), r.output
     assert "predictors were trained" not in r.output
+
+
+def test_a_broken_predictor_fails_before_any_run(monkeypatch, tmp_path):
+    def sweep(*args, **kwargs):
+        raise AssertionError("runs started before the predictor was checked")
+    monkeypatch.setattr(pbkv.bench.main, "run_sweep", sweep)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "config.json").write_text("x")
+    r = runner.invoke(app, ["bench", "--workload", "finance", "--workflows", "2", "--concurrency", "2",
+                            "--policies", "pbkv", "--predictor", str(tmp_path / "p"), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2, r.output
+    assert "model.safetensors: missing (not a saved predictor directory?)" in " ".join(r.output.split()), r.output
