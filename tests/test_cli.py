@@ -129,6 +129,9 @@ def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, m
         r = invoke(*args)
         said = " ".join(r.output.replace("│", " ").split())  # typer's error box, unwrapped
         assert r.exit_code == 2 and message in said, (args, r.output)
+    assert invoke("gen", "finance", "--workflows", 1, "-o", "t.jsonl").exit_code == 0
+    r = invoke("trace", "stats", "t.jsonl", "--json", "new/stats.json")  # its folder is created
+    assert r.exit_code == 0 and json.loads(Path("new/stats.json").read_text())["workflows"] == 1, r.output
 
 
 def test_a_split_that_would_leave_a_part_empty_is_an_error(tmp_path):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +11,7 @@ from pbkv.cli.bench import hf_config
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, LoadRuleOpt, ModelOpt,
                              OutOpt, OutputScaleOpt, PoliciesOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt,
                              TrainOpt, WorkflowsOpt, WorkloadOpt, console, exit_on_error, one_concurrency, output_opt,
-                             split, strs)
+                             save_json, split, strs)
 
 
 def calibrate(
@@ -79,5 +78,5 @@ def simcheck(
     out.mkdir(parents=True, exist_ok=True)
     for line in verdict(rows):
         console.print(line)
-    (out / "simcheck.json").write_text(json.dumps(rows, indent=1) + "\n")
+    save_json(out / "simcheck.json", rows)
     console.print(f"results: {out / 'simcheck.json'}")

@@ -62,6 +62,17 @@ def _no_file_above(path: Path | None) -> None:
             raise typer.BadParameter(f"{above} is a file, so {path} cannot be written")
 
 
+
+def save_json(path: Path, data) -> None:
+    """`data` as indented JSON at `path` (its folder created), whole or not at all; an error
+    is one `error:` line."""
+    import json
+
+    from pbkv.trace.io import replaced_on_success
+    with exit_on_error(), replaced_on_success(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
+
+
 def output_opt(what: str, folder: bool = False):
     """`-o/--output` whose help says what the command writes there (a file, or with `folder` a folder)."""
     return Annotated[Path, typer.Option("-o", "--output", help=f"Where to write {what}.",

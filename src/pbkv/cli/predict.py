@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
-                             check_horizon, console, exit_on_error, fail, output_opt)
+                             check_horizon, console, exit_on_error, fail, output_opt, save_json)
 
 # (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
 VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"), ("context", "context-only", "context_"))
@@ -77,7 +76,7 @@ def predict_eval(
     _print_predict_table(rows)
     if json_path:
         out = {prefix + k: v for _, prefix, m in rows for k, v in m.items()}
-        json_path.write_text(json.dumps(out, indent=1, default=float) + "\n")
+        save_json(json_path, out)
         console.print(f"results: {json_path}")
 
 

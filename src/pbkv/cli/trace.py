@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, console, exit_on_error,
-                             fail, output_file, output_opt)
+                             fail, output_file, output_opt, save_json)
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
 
@@ -48,7 +47,7 @@ def trace_stats_cmd(
         stats = trace_stats(read_trace(file), read_trace(heldout) if heldout else None)
     print(format_stats(stats))
     if json_path:
-        json_path.write_text(json.dumps(stats, indent=1) + "\n")
+        save_json(json_path, stats)
 
 
 @trace_app.command("split")
