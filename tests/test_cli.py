@@ -139,13 +139,15 @@ def test_a_split_that_would_leave_a_part_empty_is_an_error(tmp_path):
     assert invoke("gen", "finance", "--workflows", 1, "-o", one).exit_code == 0
     assert invoke("gen", "finance", "--workflows", 2, "-o", two).exit_code == 0
     outs = ["--train-out", tmp_path / "a.jsonl", "--test-out", tmp_path / "b.jsonl"]
-    r = invoke("trace", "split", one, *outs)
-    assert r.exit_code == 2 and "one.jsonl: holds 1 task group(s); a split needs at least two" in " ".join(r.output.split()), r.output
-    assert not (tmp_path / "a.jsonl").exists()  # nothing half-written
-    r = invoke("trace", "split", two, *outs, "--test-fraction", 0.01)
-    assert r.exit_code == 2 and "all 2 task groups fell in the train part, none in test" in " ".join(r.output.split()), r.output
-    r = invoke("trace", "split", two, *outs, "--test-fraction", 0)  # asked for: every workflow in train
-    assert r.exit_code == 0 and "2 workflows" in " ".join(r.output.split()), r.output
+    cases = [
+        ((one, *outs), 2, "one.jsonl: holds 1 task group(s); a split needs at least two"),
+        ((two, *outs, "--test-fraction", 0.01), 2, "all 2 task groups fell in the train part, none in test"),
+        ((two, *outs, "--test-fraction", 0), 0, "2 workflows"),  # asked for: every workflow in train
+    ]
+    for args, code, message in cases:
+        r = invoke("trace", "split", *args)
+        assert r.exit_code == code and message in " ".join(r.output.split()), r.output
+        assert code == 0 or not (tmp_path / "a.jsonl").exists()  # nothing written
     r = invoke("predict-eval", "--trace", one, "--split")
     assert r.exit_code == 2 and "one.jsonl: holds 1 task group(s)" in " ".join(r.output.split()), r.output
 

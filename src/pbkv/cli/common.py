@@ -62,7 +62,6 @@ def _no_file_above(path: Path | None) -> None:
             raise typer.BadParameter(f"{above} is a file, so {path} cannot be written")
 
 
-
 def save_json(path: Path, data) -> None:
     """`data` as indented JSON at `path` (its folder created), whole or not at all; an error
     is one `error:` line."""

@@ -20,8 +20,8 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY' (env PBKV_API_KEY).",
                                            envvar="PBKV_API_KEY")] = None,
     served_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
-    record: Annotated[Optional[Path], typer.Option(help="Write served calls as traces (docs/trace-format.md) into this folder.",
-                                                       callback=output_folder)] = None,
+    record: Annotated[Optional[Path], typer.Option(
+        help="Write served calls as traces (docs/trace-format.md) into this folder.", callback=output_folder)] = None,
     record_rotate: Annotated[int, typer.Option(help="Calls per trace file before the next one starts.", min=1)] = 10_000,
     record_context: Annotated[bool, typer.Option(help="Also record each call's latest message (as `context`).")] = False,
     predictor: PredictorOpt = None,
@@ -34,8 +34,8 @@ def serve(
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
     disk_tokens: DiskTokensOpt = None,
-    disk_dir: Annotated[Optional[Path], typer.Option(help="Folder for disk-tier KV files (default: a temporary folder).",
-                                                         callback=output_folder)] = None,
+    disk_dir: Annotated[Optional[Path], typer.Option(
+        help="Folder for disk-tier KV files (default: a temporary folder).", callback=output_folder)] = None,
     shared_dir: Annotated[Optional[Path], typer.Option(help="Folder of KV blocks shared with other pbkv servers of the same "
                                                "model (read after the local tiers, written after each prefill; "
                                                "default: none).", callback=output_folder)] = None,

@@ -33,8 +33,9 @@ def read_rows(path: str | Path, limit: int | None = None) -> list[Row]:
     rows: list[Row] = []
     if limit is not None and limit < 1:
         return rows
-    for lineno, _, obj in read_lines(path, pbkv=False):
-        where = f"{display_name(Path(path))}:{lineno}"
+    name = display_name(Path(path))
+    for lineno, _, obj in read_lines(path, name, pbkv=False):
+        where = f"{name}:{lineno}"
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
         rows.append(Row(lineno, obj, RowChecker(where, obj)))
