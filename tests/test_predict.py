@@ -296,3 +296,8 @@ def test_cli_bad_inputs_exit_2_bad_files_exit_1(tmp_path):
     bad.write_text('{"workflow_id": "w"}\n')
     r = invoke("train", "--trace", bad, "-o", tmp_path / "m")
     assert r.exit_code == 1 and "bad.jsonl:1" in r.output
+    empty = tmp_path / "empty.jsonl"  # a header, no calls: refused before the three trainings
+    empty.write_text('{"pbkv_trace": 1, "block_size": 16}\n')
+    r = invoke("predict-eval", "--train", trace, "--test", empty)
+    assert r.exit_code == 2 and "empty.jsonl: no calls to evaluate on" in " ".join(r.output.split()), r.output
+    assert "training" not in r.output

@@ -91,6 +91,7 @@ def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> list[tu
         halves = split_by_task(data, 0.5, seed)
         require_both_parts(*halves, str(trace))
         data = halves[1]
+    _require_calls(data, trace)
     rows = [(p.name, "", evaluate(p, data))]
     if p.markov is not None:
         rows.append(("markov", "markov_", evaluate(p.markov, data)))
@@ -109,6 +110,7 @@ def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tupl
         require_both_parts(fit, data, str(trace))
     else:
         fail("give --predictor DIR --trace FILE, or --train FILE --test FILE, or --trace FILE --split")
+    _require_calls(data, test or trace)  # before minutes of training, not a table of dashes after
     rows = []
     with _train_bar() as bar:
         for variant, label, prefix in VARIANT_ROWS:
@@ -120,6 +122,11 @@ def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tupl
             rows.append((label, prefix, m))
     rows.append(("markov", "markov_", evaluate(fit_markov(fit, horizon), data)))
     return rows
+
+
+def _require_calls(data, path) -> None:
+    if not data.calls:
+        raise ValueError(f"{path}: no calls to evaluate on")
 
 
 def _train_bar() -> Progress:
