@@ -48,3 +48,20 @@ def test_a_broken_predictor_fails_before_any_run(monkeypatch, tmp_path):
                             "--policies", "pbkv", "--predictor", str(tmp_path / "p"), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2, r.output
     assert "model.safetensors: missing (not a saved predictor directory?)" in " ".join(r.output.split()), r.output
+
+
+def test_a_bad_model_or_workload_fails_before_training_or_calibrating(monkeypatch, tmp_path):
+    import pbkv.bench.simcheck
+
+    def never(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+    monkeypatch.setattr(pbkv.bench.main.predictors_mod, "prepare", never)
+    monkeypatch.setattr(pbkv.bench.simcheck, "calibrate", never)
+    nope = str(tmp_path / "nope")
+    for args, message in [
+        (["bench", "--engine", "hf", "--model", nope, "--out", str(tmp_path / "o")], "not 'tiny', 'smollm2' or a local"),
+        (["simcheck", "--model", nope, "--out", str(tmp_path / "o")], "not 'tiny', 'smollm2' or a local"),
+        (["simcheck", "--workload", "nope", "--out", str(tmp_path / "o")], "nope: not a built-in workload"),
+    ]:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 2 and message in " ".join(r.output.split()), (args, r.output)

@@ -166,6 +166,9 @@ def hf_config(model: str, scale: float, output_scale: float | None, load_rule: s
     """The real engine's settings from the command line, validated (clear error, exit 2)."""
     from pbkv.bench.hf_run import HFConfig
     from pbkv.engine.hf.engine import LOAD_RULES
+    from pbkv.engine.hf.model import check_model_arg
+    with exit_on_error():
+        check_model_arg(model)  # before training predictors or calibrating, not minutes into the run
     if not scale >= 1:
         fail(f"--scale: must be >= 1, got {scale}")
     if output_scale is not None and not output_scale >= 1:

@@ -57,17 +57,19 @@ def simcheck(
     from pbkv.bench.simcheck import calibrate as run_calibrate
     from pbkv.bench.simcheck import simcheck as run_simcheck
     from pbkv.bench.simcheck import table, verdict
-    from pbkv.bench.sweep import source_from_arg
+    from pbkv.bench.sweep import load_workload, source_from_arg
     from pbkv.cache import CacheConfig
 
     hf = hf_config(model, scale, output_scale, load_rule, threads, seed)
     lanes = one_concurrency(concurrency)
     with exit_on_error():
+        source = source_from_arg(workload, workflows, seed)
+        load_workload(source)  # a bad --workload fails now, not after calibrating
         if profile is None:
             profile = str(out / "profile.json")
             console.print(f"calibrating {model} -> {profile}")
             run_calibrate(hf, Path(profile))
-        rows = run_simcheck(source_from_arg(workload, workflows, seed), split(policies), lanes, hf, profile,
+        rows = run_simcheck(source, split(policies), lanes, hf, profile,
                             CacheConfig(device_tokens, host_tokens, disk_tokens), PredictorSource(train=strs(train)),
                             out, progress=lambda r: console.print(f"  {r['policy']} done"))
     first = rows[0]

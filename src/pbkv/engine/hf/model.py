@@ -97,12 +97,19 @@ def tiny_model(seed: int = 0):
         return LlamaForCausalLM(cfg)
 
 
+def check_model_arg(name: str) -> None:
+    """Raise `ModelLoadError` when `name` is neither 'tiny', 'smollm2' nor a folder holding a
+    config.json: cheap, so a command checks it before minutes of other work."""
+    p = Path(name)
+    if name not in ("tiny", "smollm2") and not (p.is_dir() and (p / "config.json").is_file()):
+        raise ModelLoadError(f"--model {name!r}: not 'tiny', 'smollm2' or a local model directory "
+                             f"with a config.json")
+
+
 def _from_path(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     p = Path(path)
-    if not p.is_dir() or not (p / "config.json").is_file():
-        raise ModelLoadError(f"--model {path!r}: not 'tiny', 'smollm2' or a local model directory "
-                             f"with a config.json")
+    check_model_arg(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
     except (OSError, ValueError) as e:
