@@ -138,4 +138,5 @@ def test_a_failed_conversion_says_what_to_run(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
                                  "--model", str(tmp_path / "nomodel"), "--workload", "hover",
                                  "--workflows", "2", "--policies", "lru", "--out", str(tmp_path / "res")])
-    assert r.exit_code == 2 and "not a model directory with a config.json" in " ".join(r.output.split())
+    # refused when the command line is read (`check_model_arg`), before any run
+    assert r.exit_code == 2 and "or a local model directory with a config.json" in " ".join(r.output.split())
