@@ -161,10 +161,11 @@ def print_tables(records: list[dict], console: Console | None = None) -> None:
         console.print(t)
 
 
-def write_json(records: list[dict], path: Path) -> Path:
-    """Write the records; the file appears whole or not at all (a killed run leaves no half JSON)."""
+def write_json(data, path: Path) -> Path:
+    """Write `data` as indented JSON (numpy scalars as floats); the file appears whole or not at
+    all (a killed run leaves no half JSON)."""
     with replaced_on_success(path) as tmp:
-        tmp.write_text(json.dumps(records, indent=1) + "\n")
+        tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
     return path
 
 

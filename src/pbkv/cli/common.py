@@ -63,13 +63,10 @@ def _no_file_above(path: Path | None) -> None:
 
 
 def save_json(path: Path, data) -> None:
-    """`data` as indented JSON at `path` (its folder created), whole or not at all; an error
-    is one `error:` line."""
-    import json
-
-    from pbkv.trace.io import replaced_on_success
-    with exit_on_error(), replaced_on_success(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
+    """`bench.report.write_json` (folder created, whole or not at all); an error is one `error:` line."""
+    from pbkv.bench.report import write_json
+    with exit_on_error():
+        write_json(data, path)
 
 
 def output_opt(what: str, folder: bool = False):

@@ -108,14 +108,13 @@ def check_model_arg(name: str) -> None:
 
 def _from_path(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    p = Path(path)
     check_model_arg(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: cannot load the model ({str(e).splitlines()[0]})") from None
     try:
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
         tok = None  # a model directory without tokenizer files still serves token ids
     return model, tok
