@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 
 import pytest
 
@@ -46,6 +47,20 @@ def test_a_failed_write_leaves_the_old_file_whole_and_no_temporary(tmp_path, mon
     with pytest.raises(OSError, match="disk full"):
         write_trace(Trace(TraceMeta(block_size=4), []), path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.jsonl"]
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_write_a_live_ones_is_kept(tmp_path):
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f".t.jsonl.{dead.pid}-0123abcd.jsonl"       # what a kill -9 mid-write leaves
+    live = tmp_path / f".t.jsonl.{os.getpid()}-89abcdef.jsonl"     # a write in progress in this process
+    other = tmp_path / f".u.jsonl.{dead.pid}-0123abcd.jsonl"       # another file's: not this write's business
+    for p in (left, live, other):
+        p.write_text("half")
+    write_trace(Trace(TraceMeta(block_size=4), [Call("w", 0, "a", 4, 1, [7])]), tmp_path / "t.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "t.jsonl"])
 
 
 def test_a_written_trace_has_the_umasks_mode_and_a_folder_is_refused(tmp_path):

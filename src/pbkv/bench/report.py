@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pbkv.trace.io import replaced_on_success
+from pbkv.files import replaced_on_success
 
 
 def _fmt(v, pct=False):

@@ -88,7 +88,8 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
 def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
     """Keep the whole runs of a trace whose writer was killed mid-write (`serve --record`)."""
     from pbkv.trace import read_trace
-    from pbkv.trace.io import open_trace, replaced_on_success
+    from pbkv.files import replaced_on_success
+    from pbkv.trace.io import open_trace
     from pbkv.trace.repair import repair
 
     with exit_on_error():

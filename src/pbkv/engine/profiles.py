@@ -12,6 +12,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
+from pbkv.files import read_text
+
 GIB = 1024 ** 3
 
 
@@ -91,12 +93,7 @@ def load_profile(name_or_path: str) -> Profile:
     path = Path(name_or_path)
     if path.suffix == ".json" and path.is_file():
         where = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-        except OSError as e:
-            raise ValueError(f"{where}: cannot read ({e.strerror or e})") from None
+        text = read_text(path)
     elif name_or_path in builtin_profiles():
         ref = resources.files("pbkv.engine") / "profiles" / f"{name_or_path}.json"
         text, where = ref.read_text(), f"profile {name_or_path}"

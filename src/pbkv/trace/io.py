@@ -10,12 +10,11 @@ import gzip
 import io
 import json
 import math
-import os
-import uuid
 from pathlib import Path
 from contextlib import contextmanager
 from typing import IO, Iterable, Iterator
 
+from pbkv.files import replaced_on_success
 from pbkv.trace.call import DEFAULT_BLOCK_SIZE, Call, Trace, TraceMeta
 from pbkv.trace.lines import TraceError, display_name, read_lines
 
@@ -242,29 +241,6 @@ def iter_lines(trace: Trace) -> Iterable[str]:
     yield json.dumps(meta_to_dict(trace.meta), separators=(",", ":"))
     for call in trace.calls:
         yield json.dumps(call_to_dict(call), separators=(",", ":"))
-
-
-@contextmanager
-def replaced_on_success(path: str | Path) -> Iterator[Path]:
-    """A temporary file beside `path` (same suffix) that replaces `path` when the block ends
-    without an error and is removed otherwise: `path` is the old file or the whole new one, never
-    half of one. A writer killed outright leaves at most a hidden `.NAME.<8 hex>SUFFIX` beside it."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give a file name")
-    # created with open(.., "x"), not mkstemp: the file gets the umask's mode (mkstemp's is 0600)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}{path.suffix}"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        open(tmp, "x").close()
-    except OSError as e:  # name the file asked for, not the temporary one
-        raise OSError(f"{path}: cannot write ({e.strerror or e})") from None
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_trace(trace: Trace, path: str | Path) -> Path:

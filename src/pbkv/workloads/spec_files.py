@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from pbkv.files import read_text
 from pbkv.workloads.spec import WorkflowSpec
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -94,13 +95,9 @@ def load_spec(name_or_path: str | Path) -> WorkflowSpec:
                             f"and not a {'/'.join(SUFFIXES)} file")
         if not path.is_file():
             raise SpecError(f"{text}: no such spec file")
+    raw = read_text(path, source, SpecError)
     try:
-        raw = path.read_text(encoding="utf-8")
         data = json.loads(raw) if path.suffix.lower() == ".json" else yaml.load(raw, Loader=_UniqueKeyLoader)
-    except UnicodeDecodeError as e:
-        raise SpecError(f"{source}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
-    except OSError as e:
-        raise SpecError(f"{source}: cannot read ({e.strerror or e})") from None
     except json.JSONDecodeError as e:
         raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
     except yaml.YAMLError as e:

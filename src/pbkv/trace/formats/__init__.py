@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Callable
 
+from pbkv.files import replaced_on_success
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.trace.formats import agentic, bailian, mooncake
 from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, read_rows
 from pbkv.trace.formats.blocks import Rechainer
-from pbkv.trace.io import TraceError, open_trace, read_trace, replaced_on_success, validate, write_trace
+from pbkv.trace.io import TraceError, open_trace, read_trace, validate, write_trace
 
 __all__ = ["FORMATS", "Edge", "ExportReport", "Format", "ImportReport", "Rechainer", "export_file",
            "import_file", "import_trace"]
