@@ -92,8 +92,9 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
                                        jobs=args.jobs)
         cfg = replace(args, policies=pols, predictors=paths)
         doing = {"sim": "simulating", "vllm": "running vLLM"}.get(args.engine, "running the model")
-        bar.update(task, description=doing, completed=0, total=len(sweep_jobs(cfg)))
-        records = run_sweep(cfg, on_done=lambda r: bar.update(
+        jobs = sweep_jobs(cfg)           # sizing the regimes reads every workload: once
+        bar.update(task, description=doing, completed=0, total=len(jobs))
+        records = run_sweep(cfg, jobs=jobs, on_done=lambda r: bar.update(
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
                                          + (f" {r['router']}" if "router" in r else "")))
     print_tables(records, console)

@@ -34,12 +34,18 @@ class Regime:
 def distinct_prompt_tokens(workload) -> int:
     """Tokens of the distinct prompt blocks of a workload (each chained block id once)."""
     size = workload.trace.block_size
-    seen: dict[int, int] = {}
+    full: set[int] = set()             # blocks some call sends whole (every block but a call's last)
+    last: dict[int, int] = {}          # a call's last block -> the most tokens any call sends in it
     for calls in workload.workflows:
         for c in calls:
-            for block, tokens in zip(c.hash_ids, c.block_tokens(size)):
-                seen[block] = max(tokens, seen.get(block, 0))
-    return sum(seen.values())
+            ids = c.hash_ids
+            if ids:
+                full.update(ids[:-1])
+                tokens = c.input_length - size * (len(ids) - 1)
+                if tokens > last.get(ids[-1], 0):
+                    last[ids[-1]] = tokens
+    # a block's tokens: the most any call sends in it (whole: `size`, unless a last block is longer)
+    return sum(max(size, last.get(b, 0)) for b in full) + sum(t for b, t in last.items() if b not in full)
 
 
 def largest_call(workload) -> int:

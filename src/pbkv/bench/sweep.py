@@ -168,9 +168,10 @@ def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
             for i in range(cfg.samples)]
 
 
-def run_sweep(cfg: SweepConfig, on_done=None) -> list[dict]:
-    """Run every configuration; `on_done(record)` is called as each finishes (any order)."""
-    jobs = sweep_jobs(cfg)
+def run_sweep(cfg: SweepConfig, on_done=None, jobs: list[tuple] | None = None) -> list[dict]:
+    """Run every configuration (`jobs`: `sweep_jobs(cfg)`, when the caller has them already);
+    `on_done(record)` is called as each finishes (any order)."""
+    jobs = sweep_jobs(cfg) if jobs is None else jobs
     results: list[dict | None] = [None] * len(jobs)
     # real-engine runs go one after another in this process: one model load, and wall times
     # not distorted by a second run competing for the cores
