@@ -92,12 +92,14 @@ class PrefetchCandidates:
         space = request.free_tokens + self.retired_device_tokens()
         if space <= 0 or not self.offloaded:
             return []
-        candidates = []
-        for node_id, node in list(self.offloaded.items()):
+        candidates, gone, common = [], [], self.scores.common_threshold()
+        for node_id, node in self.offloaded.items():
             if not node.alive or node.tier == Tier.DEVICE:
-                del self.offloaded[node_id]
-            elif node.wf_agents or self.scores.is_common(node):
+                gone.append(node_id)
+            elif node.wf_agents or node.seen_workflows >= common:  # tagged, or `is_common`
                 candidates.append((self.value(node), node))
+        for node_id in gone:
+            del self.offloaded[node_id]
         return conservative_prefetch.plan(candidates, request.budget_tokens, space)
 
     def value(self, node: Node) -> float:
@@ -118,10 +120,14 @@ class PrefetchCandidates:
         return memo[1]
 
     def retired_device_tokens(self) -> int:
-        total = 0
-        for node_id, node in list(self.retired.items()):
-            if node.alive and node.tier == Tier.DEVICE and node.lock == 0 and self.scores.is_retired(node):
+        total, gone, common = 0, [], self.scores.common_threshold()
+        for node_id, node in self.retired.items():
+            # `scores.is_retired`, inlined: the scan runs at every decode-only batch
+            if (node.alive and node.tier == Tier.DEVICE and node.lock == 0 and node.seen_workflows > 0
+                    and not node.wf_agents and node.seen_workflows < common):
                 total += node.tokens
             else:
-                del self.retired[node_id]
+                gone.append(node_id)
+        for node_id in gone:
+            del self.retired[node_id]
         return total

@@ -55,8 +55,13 @@ class ReuseScores:
 
     # ------------------------------------------------------------------ node classes
 
+    def common_threshold(self) -> float:
+        """Workflows that must have used a node for it to be common (a scan over many nodes
+        reads it once)."""
+        return max(2.0, self.common_share * self.workflows_seen)
+
     def is_common(self, node: Node) -> bool:
-        return node.seen_workflows >= max(2.0, self.common_share * self.workflows_seen)
+        return node.seen_workflows >= self.common_threshold()
 
     def is_retired(self, node: Node) -> bool:
         return node.seen_workflows > 0 and not node.wf_agents and not self.is_common(node)
