@@ -122,3 +122,45 @@ def test_flat_directory_loads_and_the_first_versioned_save_replaces_it(predictor
     assert not stale.exists() and alive.exists()
     pa, pb = (p.predict(["plan"]) for p in (a, load_predictor(flat)))
     assert np.array_equal(pa.probs, pb.probs)
+
+
+def test_a_folder_of_other_files_is_refused_and_left_as_it_was(predictor_a, tmp_path):
+    a = load_predictor(predictor_a)
+    mine = tmp_path / "mine"
+    (mine / "v000001").mkdir(parents=True)
+    (mine / "v000001" / "keep.txt").write_text("d")
+    (mine / "config.json").write_text('{"my": 1}')     # a JSON file of the user's, not a predictor's
+    (mine / "markov.json").write_text("x")
+    with pytest.raises(ValueError, match=r"mine: holds other files \(config.json, markov.json, v000001\) "
+                                         r"and no saved predictor; .* give a new or empty folder"):
+        save_predictor(a, mine)
+    assert sorted(p.name for p in mine.rglob("*")) == ["config.json", "keep.txt", "markov.json", "v000001"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_predictor(a, empty)                           # an empty folder, and a saved one, are fine
+    save_predictor(a, empty)
+    assert sorted(p.name for p in empty.iterdir()) == ["CURRENT", "v000001", "v000002"]
+
+
+def test_the_flat_format_name_is_the_predictors():
+    from pbkv.predict import predictor, store
+    assert store.FLAT_FORMAT == predictor.FORMAT
+
+
+def test_train_refuses_a_folder_of_other_files_before_training(tmp_path):
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    (tmp_path / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(app, ["train", "--trace", str(Path(__file__).parent / "data" / "chatdev-mini.jsonl"),
+                                      "-o", str(tmp_path), "--epochs", "1"])
+    assert result.exit_code == 2 and "holds other files (notes.txt)" in " ".join(result.output.replace("│", " ").split())
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_serve_refuses_at_start_a_predictor_folder_it_would_overwrite_on_shutdown(tmp_path):
+    from pbkv.serve.learning import build_policy
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds other files \(notes.txt\)"):
+        build_policy("pbkv", 16, predictor_dir=tmp_path, online=False)
+    assert build_policy("pbkv", 16, predictor_dir=tmp_path / "new", online=False).predictor_dir == tmp_path / "new"

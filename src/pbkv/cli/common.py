@@ -56,6 +56,19 @@ def output_folder(path: Path | None) -> Path | None:
     return path
 
 
+def predictor_folder(path: Path | None) -> Path | None:
+    """A folder a predictor is saved into: checked like `output_folder`'s, and it must be new,
+    empty or a saved predictor (a save replaces files there: `predict.store.check_target`)."""
+    from pbkv.predict.store import check_target
+    output_folder(path)
+    if path is not None:
+        try:
+            check_target(path)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    return path
+
+
 def _no_file_above(path: Path | None) -> None:
     for above in path.parents if path is not None else ():
         if above.exists() and not above.is_dir():

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
-                             check_horizon, console, exit_on_error, fail, output_opt, save_json)
+                             check_horizon, console, exit_on_error, fail, predictor_folder, save_json)
 
 # (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
 VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"), ("context", "context-only", "context_"))
@@ -17,7 +17,9 @@ VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"),
 
 def train(
     trace: TracesOpt,
-    output: output_opt("the predictor folder (for --predictor DIR)", folder=True),
+    output: Annotated[Path, typer.Option("-o", "--output", callback=predictor_folder, help=(
+        "Where to write the predictor folder (for --predictor DIR): new, empty, or a saved predictor "
+        "(saved as its next version)."))],
     horizon: HorizonOpt = 3,
     variant: Annotated[str, typer.Option(help="fused | history | context.")] = "fused",
     epochs: EpochsOpt = None,

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ POINTER = "CURRENT"
 VERSION_NAME = re.compile(r"v(\d{6,})")
 STALE = r"(\.v\d+\.tmp|CURRENT\.tmp)(?P<pid>\d+)"
 FLAT_FILES = ("config.json", "model.safetensors", "markov.json")
+FLAT_FORMAT = "pbkv-predictor"               # config.json's "format" (predictor.FORMAT)
 
 
 def on_step(step: str) -> None:
@@ -53,6 +55,33 @@ def has_predictor(path: str | Path) -> bool:
     """True when `path` holds a saved predictor (a version pointer, or a flat `config.json`)."""
     path = Path(path)
     return (path / POINTER).is_file() or (path / "config.json").is_file()
+
+
+def check_target(path: str | Path) -> None:
+    """Raise ValueError unless `path` may receive a save: it does not exist, is an empty folder,
+    or holds a saved predictor. A save removes older versions' folders and a flat layout's files,
+    so it must never run in a folder of other files (a user's `config.json`, say)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file; give a folder for the predictor")
+    if (path / POINTER).is_file() or _flat_predictor(path):
+        return
+    others = sorted(e.name for e in path.iterdir() if not re.fullmatch(STALE, e.name))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise ValueError(f"{path}: holds other files ({shown}) and no saved predictor; a save replaces "
+                         f"files there, so give a new or empty folder")
+
+
+def _flat_predictor(path: Path) -> bool:
+    """`path/config.json` is a predictor's (the layout before versioning), not any JSON file."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("format") == FLAT_FORMAT
 
 
 def _versions(path: Path) -> list[tuple[int, str]]:
@@ -125,6 +154,7 @@ def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Save a new version of `path` with `write(folder)` (which fills an empty folder) and make
     it live atomically. Returns `path`."""
     path = Path(path)
+    check_target(path)
     path.mkdir(parents=True, exist_ok=True)
     remove_stale(path, STALE)
     # the sibling temp folder of the earlier save (`.NAME.tmp<PID>`), left by a killed writer

@@ -30,7 +30,7 @@ import numpy as np
 from pbkv.policy import PolicyContext
 from pbkv.policy.registry import make_policy, needed_predictor, needs_future
 from pbkv.predict.online import OnlineLearner
-from pbkv.predict.store import has_predictor
+from pbkv.predict.store import check_target, has_predictor
 from pbkv.serve.workflows import DEFAULT_AGENT
 
 log = logging.getLogger("pbkv.serve")
@@ -185,6 +185,8 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
             loaded = True
             horizon = predictors[variant].horizon
         else:
+            if predictor_dir is not None:  # saved there on shutdown: refuse a folder of other files now
+                check_target(predictor_dir)
             predictors[variant] = empty_markov(horizon)
     learner = None
     if variant is not None and online:
