@@ -122,3 +122,18 @@ def test_validate_checks_in_memory_traces():
     bad = Trace(TraceMeta(block_size=4), [Call("w", 1, "a", 4, 1, [1])])
     with pytest.raises(TraceError, match="has no step 0"):
         validate(bad)
+
+
+def test_a_symlink_is_written_through_a_device_directly_and_a_file_keeps_its_mode(tmp_path):
+    trace = Trace(TraceMeta(block_size=4), [Call("w", 0, "a", 4, 1, [7])])
+    target = tmp_path / "target.jsonl"
+    target.write_text("old")
+    target.chmod(0o600)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    write_trace(trace, link)
+    assert link.is_symlink() and read_trace(target).calls[0].hash_ids == [7]
+    assert target.stat().st_mode & 0o777 == 0o600
+    write_trace(trace, "/dev/null")                    # written to, not replaced by a file
+    assert not os.path.isfile("/dev/null")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "target.jsonl"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,10 +38,20 @@ def replaced_on_success(path: str | Path) -> Iterator[Path]:
     without an error and is removed otherwise: `path` is the old file or the whole new one, never
     half of one. The temporary name is hidden and carries the writer's PID
     (`.NAME.<pid>-<8 hex>SUFFIX`): a writer killed outright leaves it behind, and the next write
-    to the same path removes it (`pbkv.stale`; never a live writer's)."""
+    to the same path removes it (`pbkv.stale`; never a live writer's).
+
+    A symlink is written through (its target is replaced, the link stays); a file that is
+    neither regular nor a folder (`/dev/null`, a FIFO) is written directly, as a shell would;
+    a replaced file keeps its permission bits."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder; give a file name")
+    if path.exists() and not path.is_file():    # both follow symlinks: /dev/stdout is a pipe's
+        yield path
+        return
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
     pattern = re.escape(_temporary_name(path, "PID", "TAG")).replace("PID", r"(?P<pid>\d+)").replace("TAG", "[0-9a-f]{8}")
     remove_stale(path.parent, pattern)
     # created with open(.., "x"), not mkstemp: the file gets the umask's mode (mkstemp's is 0600)
@@ -48,6 +59,8 @@ def replaced_on_success(path: str | Path) -> Iterator[Path]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         open(tmp, "x").close()
+        if mode is not None:
+            os.chmod(tmp, mode)
     except OSError as e:  # name the file asked for, not the temporary one
         raise OSError(f"{path}: cannot write ({e.strerror or e})") from None
     try:
