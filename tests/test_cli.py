@@ -185,3 +185,49 @@ def test_an_option_shared_by_commands_is_declared_once():
             # -o/--output says what each command writes there (`common.output_opt`): flags only
             decl = (tuple(p.opts), None if p.opts[-1] == "--output" else getattr(p, "help", None))
             assert seen.setdefault(p.opts[-1], (where, decl))[1] == decl, (where, seen[p.opts[-1]][0], decl)
+
+
+def test_an_output_that_is_an_input_or_another_output_is_refused_and_the_input_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert invoke("gen", "finance", "--workflows", 2, "-o", "t.jsonl").exit_code == 0
+    before = Path("t.jsonl").read_bytes()
+    Path("link.jsonl").symlink_to("t.jsonl")
+    cases = [
+        (("trace", "flatten", "t.jsonl", "-o", "t.jsonl"), "-o t.jsonl is the input t.jsonl"),
+        (("trace", "flatten", "link.jsonl", "-o", "t.jsonl"), "-o t.jsonl is the input link.jsonl"),
+        (("trace", "stats", "t.jsonl", "--json", "./t.jsonl"), "--json t.jsonl is the input t.jsonl"),
+        (("trace", "split", "t.jsonl", "--train-out", "a.jsonl", "--test-out", "a.jsonl"),
+         "--test-out a.jsonl is also --train-out"),
+        (("trace", "export", "t.jsonl", "--to", "agentic-mooncake", "-o", "t.jsonl"), "is the input t.jsonl"),
+        (("bench", "--trace", "t.jsonl", "--policies", "lru", "--json", "t.jsonl"), "--json t.jsonl is the input"),
+        (("predict-eval", "--trace", "t.jsonl", "--split", "--json", "t.jsonl"), "--json t.jsonl is the input"),
+    ]
+    for args, message in cases:
+        r = invoke(*args)
+        assert r.exit_code == 2 and message in " ".join(r.output.split()), (args, r.output)
+    assert Path("t.jsonl").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "t.jsonl"]
+
+
+def test_bench_reads_a_trace_by_any_name_and_refuses_two_with_one_name(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    trace = (DATA / "chatdev-mini.jsonl").read_bytes()
+    for p in ("hover", "a/t.jsonl", "b/t.jsonl"):        # "hover": a trace file, not the built-in workload
+        (tmp_path / p).write_bytes(trace)
+    r = invoke("bench", "--trace", tmp_path / "hover", "--policies", "lru", "--concurrency", 4, "--jobs", 1,
+               "--tiers", "device", "--out", tmp_path / "o")
+    assert r.exit_code == 0 and "hover: 3 workflows" in r.output, r.output
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())[0]["device_tokens"] < 1000  # chatdev-mini's
+    r = invoke("bench", "--trace", tmp_path / "a/t.jsonl", "--trace", tmp_path / "b/t.jsonl", "--policies", "lru",
+               "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "are both named 't'" in r.output and "rename one of the files" in r.output
+    r = invoke("bench", "--workload", "hover,swe,hover", "--policies", "lru", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "hover given twice" in r.output
+
+
+@pytest.mark.parametrize("value, message", [(",", "expected positive integers or 'open', comma-separated, got ','"),
+                                            ("4,4", "--concurrency: 4 given twice")])
+def test_bench_concurrency_needs_distinct_values(tmp_path, value, message):
+    r = invoke("bench", "--workload", "finance", "--policies", "lru", "--concurrency", value, "--out", tmp_path)
+    assert r.exit_code == 2 and message in r.output, r.output

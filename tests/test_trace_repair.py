@@ -90,8 +90,14 @@ def test_what_repair_cannot_fix_is_an_error_and_writes_nothing(tmp_path):
                     b'"output_length":1,"hash_ids":[1],"done":true}\n{"cut')
     out = tmp_path / "out.jsonl"
     r = runner.invoke(app, ["trace", "repair", str(bad), "-o", str(out)])
-    assert r.exit_code == 1 and "duplicate step 0" in " ".join(r.output.split()) and not out.exists()
-    assert list(tmp_path.glob(".out.jsonl*")) == []
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "bad.jsonl:2: " in said and "duplicate step 0" in said and not out.exists()
+    assert list(tmp_path.glob(".out.jsonl*")) == []   # the error names the input, not the temporary
+    bad.write_bytes(b'{"pbkv_trace":1,"block_size":4}\n{"workflow_id":"w",\xff\n{"workflow_id":"w","step":0,'
+                    b'"agent":"a","input_length":16,"output_length":1,"hash_ids":[1],"done":true}\n{"cut')
+    r = runner.invoke(app, ["trace", "repair", str(bad), "-o", str(out)])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "bad.jsonl:2: not UTF-8 text (byte 0xff at column 20)" in said, r.output
     with pytest.raises(TraceError, match="plain .jsonl files only"):
         repair(tmp_path / "x.jsonl.gz")
 

@@ -12,7 +12,7 @@ from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.report import print_tables, write_json, write_plots
 from pbkv.bench.runner import check_fits
 from pbkv.bench.verdict import verdicts
-from pbkv.bench.sweep import SweepConfig, load_workload, run_sweep, sweep_jobs
+from pbkv.bench.sweep import SweepConfig, check_names, load_workload, run_sweep, sweep_jobs
 from pbkv.driver.replay import check_arrivals
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import policy_class
@@ -76,6 +76,7 @@ def check_routers(args: BenchArgs) -> None:
 
 def run(args: BenchArgs, console: Console) -> list[dict]:
     pols = check(args)
+    check_names(args.sources)
     for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
         workload, name = load_workload(s), s.trace or s.name
         if not workload.workflows:

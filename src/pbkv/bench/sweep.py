@@ -228,7 +228,28 @@ def source_from_arg(value: str, workflows: int, seed: int) -> Source:
     """A built-in workload name, a spec file (.yaml/.yml/.json) or a trace (.jsonl/.jsonl.gz)."""
     path = Path(value)
     if value.endswith((".jsonl", ".jsonl.gz")):
-        name = path.name.split(".")[0]
-        return Source(name=name, trace=str(path))
+        return trace_source(value)
     name = path.stem if path.suffix in (".yaml", ".yml", ".json") else value
     return Source(name=name, spec=value, workflows=workflows, seed=seed)
+
+
+def trace_source(value: str) -> Source:
+    """A trace file, whatever its name (`--trace`); named by its file name without `.gz` and
+    `.jsonl` (`a/x.v1.jsonl.gz`: `x.v1`)."""
+    name = Path(value).name.removesuffix(".gz").removesuffix(".jsonl") or Path(value).name
+    return Source(name=name, trace=value)
+
+
+def check_names(sources: list[Source]) -> None:
+    """Raise ValueError when two sources share a name: records, tables and plots are keyed by it,
+    so their figures would be mixed up and one plot would overwrite the other."""
+    where: dict[str, str] = {}
+    for s in sources:
+        arg = s.trace or s.spec or s.name
+        other = where.get(s.name)
+        where[s.name] = arg
+        if other is not None:
+            if other == arg:
+                raise ValueError(f"{arg} given twice; give each workload once")
+            raise ValueError(f"{other} and {arg} are both named {s.name!r}: their rows and plots would be "
+                             f"mixed up; rename one of the files")

@@ -10,8 +10,8 @@ import typer
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
                              PredictorOpt, ProfileOpt, RouterOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
-                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, concurrency_list, console,
-                             exit_on_error, fail, split, strs)
+                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, check_outputs, concurrency_list,
+                             console, exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
 EngineOpt = Annotated[str, typer.Option(
@@ -89,6 +89,7 @@ def bench(
         fail(f"--engine: unknown engine {engine!r}; available: {', '.join(ENGINES)}")
     check_horizon(horizon)
     check_exist(*(trace or []), *(train or []), predictor)
+    check_outputs([*(trace or []), *(train or [])], {"--json": json_path} if json_path else {"--out": out / "bench.json"})
     run_bench(BenchArgs(
         sources=sources(workload, trace, workflows, seed), policies=split(policies),
         concurrency=concurrency_list(concurrency), profile=profile,
@@ -140,6 +141,7 @@ def ablate(
 
     check_horizon(horizon)
     check_exist(*(trace or []), *(train or []))
+    check_outputs([*(trace or []), *(train or [])], {"--out": out / "bench.json"})
     run_bench(BenchArgs(
         sources=sources(workload, trace, workflows, seed), policies=ABLATION,
         concurrency=concurrency_list(concurrency), profile=profile,
@@ -149,9 +151,9 @@ def ablate(
 
 def sources(workload: str, trace: list[Path] | None, workflows: int, seed: int) -> list:
     """The replayed traces, or else the generated workloads."""
-    from pbkv.bench.sweep import source_from_arg
+    from pbkv.bench.sweep import source_from_arg, trace_source
     if trace:
-        return [source_from_arg(str(t), workflows, seed) for t in trace]
+        return [trace_source(str(t)) for t in trace]   # a trace whatever its name ends in
     return [source_from_arg(w, workflows, seed) for w in split(workload)]
 
 
@@ -169,10 +171,10 @@ def hf_config(model: str, scale: float, output_scale: float | None, load_rule: s
     from pbkv.engine.hf.model import check_model_arg
     with exit_on_error():
         check_model_arg(model)  # before training predictors or calibrating, not minutes into the run
-    if not scale >= 1:
-        fail(f"--scale: must be >= 1, got {scale}")
-    if output_scale is not None and not output_scale >= 1:
-        fail(f"--output-scale: must be >= 1, got {output_scale}")
+    if not 1 <= scale < float("inf"):  # also refuses nan
+        fail(f"--scale: must be a finite number >= 1, got {scale}")
+    if output_scale is not None and not 1 <= output_scale < float("inf"):
+        fail(f"--output-scale: must be a finite number >= 1, got {output_scale}")
     if load_rule not in LOAD_RULES:
         fail(f"--load-rule: expected one of {', '.join(LOAD_RULES)}, got {load_rule!r}")
     return HFConfig(model=model, scale=scale, output_scale=output_scale, load_rule=load_rule, threads=threads,

@@ -7,6 +7,7 @@ says where the default differs between commands.
 
 from __future__ import annotations
 
+import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,7 +36,10 @@ TrainOpt = Annotated[Optional[list[Path]], typer.Option(
                     "predictor: trained on --train, loaded from --predictor, or (generated workloads) trained on "
                     "the generator with seed + 1.")]
 WorkflowsOpt = Annotated[int, typer.Option(min=1, help="Workflows per generated workload.")]
-SeedOpt = Annotated[int, typer.Option(help="Random seed: generated workloads, training, splits, sampling.")]
+# 0 .. 2**63-1: torch.manual_seed takes at most 2**64-1, and a derived seed (bench trains on seed + 1) stays in range
+SEED_MAX = 2 ** 63 - 1
+SeedOpt = Annotated[int, typer.Option(min=0, max=SEED_MAX, help=(
+    "Random seed, 0 to 2**63-1: generated workloads, training, splits, sampling."))]
 TraceFileArg = Annotated[Path, typer.Argument(help="Trace file.")]
 
 
@@ -67,6 +71,31 @@ def predictor_folder(path: Path | None) -> Path | None:
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
     return path
+
+
+def check_outputs(inputs, outputs: dict[str, Path | None]) -> None:
+    """Exit 2 when an output (option name -> path) is the same file as an input or as another
+    output: writing it would destroy the input, or one output would overwrite the other."""
+    taken: dict[tuple, str] = {}
+    for path in inputs:
+        if path is not None:
+            taken.setdefault(_file_key(path), f"the input {path}")
+    for option, path in outputs.items():
+        if path is None or (path.exists() and not path.is_file()):   # /dev/null may take every output
+            continue
+        key = _file_key(path)
+        if key in taken:
+            fail(f"{option} {path} is {taken[key]}; write to another file")
+        taken[key] = f"also {option}"
+
+
+def _file_key(path) -> tuple:
+    """One key per file: (device, inode) when it exists (hard links, symlinks), else its real path."""
+    try:
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return (os.path.realpath(path),)
 
 
 def _no_file_above(path: Path | None) -> None:
@@ -194,6 +223,10 @@ def concurrency_list(value: str) -> list[int | None]:
             out.append(int(v))
         else:
             fail(f"--concurrency: expected positive integers or 'open', got {v!r}")
+        if out[-1] in out[:-1]:
+            fail(f"--concurrency: {v} given twice")
+    if not out:
+        fail(f"--concurrency: expected positive integers or 'open', comma-separated, got {value!r}")
     return out
 
 

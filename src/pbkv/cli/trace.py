@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, console, exit_on_error,
-                             fail, output_file, output_opt, save_json)
+from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, check_outputs, console,
+                             exit_on_error, fail, output_file, output_opt, save_json)
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
 
@@ -26,6 +26,7 @@ def gen(
 
     if (workload is None) == (spec is None):
         fail(f"give a built-in workload ({', '.join(builtin_names())}) or --spec FILE, not both")
+    check_outputs([spec], {"-o": output})
     with exit_on_error():
         trace = generate(load_spec(str(spec) if spec else workload), workflows, seed)
         write_trace(trace, output)
@@ -42,6 +43,8 @@ def trace_stats_cmd(
     """Sizes, lengths, prefix reuse, next-agent entropy, Markov top-1 of a trace."""
     from pbkv.trace import read_trace
     from pbkv.trace.stats import format_stats, trace_stats
+
+    check_outputs([file, heldout], {"--json": json_path})
 
     with exit_on_error():
         stats = trace_stats(read_trace(file), read_trace(heldout) if heldout else None)
@@ -63,6 +66,8 @@ def trace_split_cmd(
     from pbkv.trace import read_trace, write_trace
     from pbkv.trace.transform import require_both_parts, split_by_task
 
+    check_outputs([file], {"--train-out": train_out, "--test-out": test_out})
+
     with exit_on_error():
         train, test = split_by_task(read_trace(file), test_fraction, seed)
         if 0 < test_fraction < 1:  # 0 or 1 asks for an empty part
@@ -78,6 +83,8 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
     from pbkv.trace import read_trace, write_trace
     from pbkv.trace.transform import flatten
 
+    check_outputs([file], {"-o": output})
+
     with exit_on_error():
         trace = flatten(read_trace(file))
         write_trace(trace, output)
@@ -87,17 +94,23 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
 @trace_app.command("repair")
 def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
     """Keep the whole runs of a trace whose writer was killed mid-write (`serve --record`)."""
-    from pbkv.trace import read_trace
     from pbkv.files import replaced_on_success
+    from pbkv.trace import TraceError, read_trace
     from pbkv.trace.io import open_trace
+    from pbkv.trace.lines import display_name
     from pbkv.trace.repair import repair
+
+    check_outputs([file], {"-o": output})
 
     with exit_on_error():
         fixed = repair(file)
         with replaced_on_success(output) as tmp:
             with open_trace(tmp, "w") as f:  # gzip when OUTPUT ends in .gz, like every trace written
-                f.write(fixed.data.decode("utf-8"))
-            trace = read_trace(tmp)      # what is kept must be a valid trace
+                f.write(fixed.text)
+            try:
+                trace = read_trace(tmp)  # what is kept must be a valid trace
+            except TraceError as e:      # its lines are FILE's first ones: name FILE, not the temporary
+                raise TraceError(str(e).replace(display_name(tmp), display_name(file), 1)) from None
     kept = f"kept {len(trace.calls)} calls of {len(trace.workflows())} workflows in {output}"
     if fixed.cut_line is None:
         console.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")
@@ -123,6 +136,8 @@ def trace_import_cmd(
     """Convert a Mooncake, Qwen-Bailian or Dynamo agentic-mooncake trace to pbkv's format."""
     from pbkv.trace.formats import import_file
 
+    check_outputs([source], {"-o": output})
+
     with exit_on_error():
         trace, report = import_file(fmt, source, output, limit=limit, block_size=block_size,
                                     source_block_size=source_block_size)
@@ -139,6 +154,8 @@ def trace_export_cmd(
 ):
     """Write a pbkv trace in a format other replay tools read (Dynamo's agentic-mooncake)."""
     from pbkv.trace.formats import export_file
+
+    check_outputs([file], {"-o": output})
 
     with exit_on_error():
         report = export_file(fmt, file, output)

@@ -33,6 +33,18 @@ class Repair:
     cut_line: int | None        # the line the file ended inside, or its last (None: not cut)
     dropped_calls: int          # whole call lines of the cut run, dropped with it
     at_line_end: bool = False   # cut at a line's end: the last line is whole, its run unfinished
+    name: str = ""              # the file's name, for errors
+
+    @property
+    def text(self) -> str:
+        """`data` as text; `TraceError` naming the file and line of the first byte that is not UTF-8."""
+        try:
+            return self.data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = self.data.count(b"\n", 0, e.start) + 1
+            col = e.start - (self.data.rfind(b"\n", 0, e.start) + 1) + 1
+            raise TraceError(f"{self.name}:{line}: not UTF-8 text (byte 0x{self.data[e.start]:02x} at "
+                             f"column {col})") from None
 
 
 def repair(path: str | Path) -> Repair:
@@ -54,7 +66,7 @@ def repair(path: str | Path) -> Repair:
     objs = [_json(line) if line.strip() else None for line in lines]   # each line parsed once
     present = [o for o, line in zip(objs, lines) if line.strip()]
     if at_line_end and not (_recorded(present) and not _ends_a_run(present)):
-        return Repair(raw, None, 0)
+        return Repair(raw, None, 0, name=name)
     keep = 0                               # lines kept: up to the last whole run's end
     for i, obj in enumerate(objs):
         if isinstance(obj, dict) and ("pbkv_trace" in obj and not keep or obj.get("done") is True):
@@ -62,7 +74,7 @@ def repair(path: str | Path) -> Repair:
     dropped = sum(1 for obj in objs[keep:] if isinstance(obj, dict))
     kept = b"".join(line + b"\n" for line in lines[:keep])
     last = len(lines) if at_line_end else len(lines) + 1
-    return Repair(kept, last, dropped, at_line_end)
+    return Repair(kept, last, dropped, at_line_end, name)
 
 
 def _recorded(objs: list) -> bool:
