@@ -296,3 +296,45 @@ def test_perfect_predictor_tells_apart_workflows_that_share_history_and_context(
     record = simulate(Workload("two", trace), RunConfig(policy="pbkv-perfect", concurrency=2,
                       profile=load_profile("a6000-qwen3-32b"), cache=CacheConfig(device_tokens=2000, host_tokens=0)))
     assert record["monitor_top1"] == 1.0   # every next agent foreseen, in both workflows
+
+
+class SwapLearner:
+    """An online learner whose retrain finishes when the test says (`ready`)."""
+
+    def __init__(self):
+        self.ready = None
+
+    def add(self, history, contexts):
+        pass
+
+    def poll(self):
+        ready, self.ready = self.ready, None
+        return ready
+
+
+def test_a_retrained_predictor_with_new_agents_is_used_for_every_active_workflow():
+    """A retrain that learned new agents arrives while calls run: every stored prediction is made
+    again with the new classes (a call ending under an old one read it by the new class indices:
+    IndexError, and the server failed every call in flight)."""
+    learner = SwapLearner()
+    old = FakePredictor(["a"], 2, {"a": ([[0.9, 0.1], [0.5, 0.5]], [1.0, 0.5])})
+    ctx = PolicyContext(block_size=BLOCK, predictors={"fused": old}, online_learner=learner)
+    cache, pol = make_cache(100 * BLOCK, 0, policy="pbkv", ctx=ctx)
+    for w in (1, 2, 3):
+        pol.on_workflow_start(w, f"w{w}")
+    call(cache, pol, "Sa1", 1.0, 1, "a", 0)
+    call(cache, pol, "Sa2", 2.0, 2, "a", 0)
+    call(cache, pol, "Sa3", 3.0, 3, "a", 0)
+    _, running = arrive(cache, pol, "Sa1a", 4.0, 1, "a", 1)        # w1's second call is in progress
+    new = FakePredictor(["a", "b", "c"], 2, {"a": ([[0.1, 0.8, 0.1, 0], [0.1, 0.1, 0.8, 0]], [1.0, 0.9])})
+    learner.ready = new
+    pol.on_workflow_end(3, cache.end_workflow(3))                   # the retrain lands as w3 ends
+    assert pol.predictor is new and pol.scores.classes == ["a", "b", "c", "<unk>"]
+    assert {w: len(p.agents) for w, p in pol.predictions.items()} == {1: 4, 2: 4}
+    assert 3 not in pol.predictions                                 # the ending workflow is not predicted again
+    leaf = put(cache, "Sa1a", 5.0, workflow=1, agent="a")
+    pol.on_call_end(CallEvent(1, "a", 1, running, leaf, 5.0))     # raised IndexError
+    call(cache, pol, "Sa2b", 6.0, 2, "b", 1)
+    for node in cache.candidates(Tier.DEVICE):
+        assert node.key == pol.priority(node), node.blocks
+    cache.check()

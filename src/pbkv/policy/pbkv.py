@@ -187,7 +187,9 @@ class PBKVPolicy(Policy):
         self.hiddens[event.workflow] = event.hidden
         self._predict(event.workflow, event.agent, event.hidden, event.now)
 
-    def _predict(self, w: int, agent: str, hidden, now: float) -> None:
+    def _predict(self, w: int, agent: str, hidden, now: float, pending: bool = True) -> None:
+        """Predict workflow w's next calls after its latest call (of `agent`; `pending`: that call
+        has not ended) and re-rank what the prediction moved."""
         if self.predictor is None:
             return
         pred = self._prediction(w, hidden)
@@ -195,7 +197,7 @@ class PBKVPolicy(Policy):
         self.predictions[w] = pred
         self.version[w] = self.version.get(w, 0) + 1
         moved = sorted(set(moved) | set(self.next_use.update(w, agent, now, pred.probs, pred.survival,
-                                                             pending=True)))
+                                                             pending=pending)))
         s1 = float(pred.survival[0])
         nxt = {a: s1 * float(p) for a, p in zip(pred.agents, pred.probs[0])}
         nxt[END] = 1.0 - s1
@@ -280,8 +282,20 @@ class PBKVPolicy(Policy):
     def _learn(self, workflow: int) -> None:
         self.learner.add(self.history[workflow], self.contexts[workflow])
         updated = self.learner.poll()
-        if updated is not None:
-            self.predictor = updated
+        if updated is None:
+            return
+        before, self.predictor = self.predictor, updated
+        if list(updated.agents) != list(getattr(before, "agents", ())):
+            self._predict_all_again(skip=workflow)
+
+    def _predict_all_again(self, skip: int) -> None:
+        """The retrained predictor knows other agent classes: every stored prediction is indexed
+        by the old ones (a call that ended under it read them by the new indices: IndexError,
+        and the server failed every call in flight). Predict every active workflow again (but
+        `skip`, which is ending), its call in progress still pending."""
+        now = self.clock()
+        for w in [w for w in self.predictions if w != skip]:
+            self._predict(w, self.history[w][-1], self.hiddens.get(w), now, pending=w in self.ahead.queued)
 
     # ---------------------------------------------------------------- bookkeeping
 
