@@ -382,3 +382,23 @@ def test_a_failure_of_shared_state_still_answers_every_job(srv, monkeypatch):
     assert err["code"] == "engine_error" and "policy hook failed" in err["message"]
     assert completion(srv).status_code == 200
     _assert_nothing_held(srv)
+
+
+def _count(srv, status: str) -> float:
+    text = httpx.get(srv.url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pbkv_requests_total{") and f'status="{status}"' in line)
+
+
+def test_a_client_gone_mid_body_is_no_server_error(srv):
+    before = _count(srv, "500")
+    for _ in range(3):
+        s = _raw(srv)
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n" + b'{"model":"')
+        s.close()                                        # gone before the body's last 90 bytes
+    deadline = time.monotonic() + 10
+    while _count(srv, "499") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _count(srv, "499") >= 3 and _count(srv, "500") == before
+    assert completion(srv).status_code == 200

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from fastapi import FastAPI
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pbkv.serve import schemas
@@ -26,7 +26,7 @@ from pbkv.serve.auth import check_api_key, header_hint, read_json
 from pbkv.serve.errors import INVALID, APIError, bad_request, error_body, pydantic_errors
 from pbkv.serve.gauges import engine_snapshot
 from pbkv.serve.limits import BodyTimeout
-from pbkv.serve.generate import prepare, respond
+from pbkv.serve.generate import CLIENT_GONE, prepare, respond
 from pbkv.serve.metrics import CONTENT_TYPE, Metrics
 from pbkv.serve.tokenizer import Tokenizer
 from pbkv.serve.worker import EngineWorker
@@ -122,6 +122,12 @@ def _error_handlers(app: FastAPI) -> None:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return JSONResponse(error_body(message, INVALID, None, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        # the client left before its body was read (or sent a broken one): nothing to answer,
+        # nothing went wrong here; counted as 499 like a client gone mid-generation
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
