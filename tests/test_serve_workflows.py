@@ -138,3 +138,10 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
         assert {"router", "coder"} <= set(setup.policy.predictor.agents)
     finally:
         again.stop()
+
+
+def test_a_workflow_id_with_a_slash_can_be_ended(srv, client):
+    ask(client, "step one", workflow_id="team/alpha", agent="a")
+    r = httpx.post(srv.url + "/v1/workflows/team%2Falpha/end")    # the client quotes it; routing sees "/"
+    assert r.status_code == 200 and r.json()["id"] == "team/alpha", r.text
+    assert httpx.post(srv.url + "/v1/workflows/team/alpha/end").status_code == 404   # ended once only

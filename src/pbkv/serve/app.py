@@ -155,7 +155,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         text = await (state.exposition or local_exposition(state))()
         return Response(text, media_type=CONTENT_TYPE)
 
-    @app.post("/v1/workflows/{workflow_id}/end")
+    @app.post("/v1/workflows/{workflow_id:path}/end")  # an id may hold "/"
     async def end_workflow(request: Request, workflow_id: str):
         check_api_key(request, state.config.api_key)
         if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
