@@ -115,7 +115,8 @@ BAD = [  # (path, json body or raw bytes, headers, status, code, param)
     ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}, None, 404, "model_not_found", "model"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "n": 2}, None, 400, "invalid_value", "n"),
     ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "max_tokens": 1025}, None, 400, "invalid_value", "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x" * 8190}, None, 400, "context_length_exceeded", "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 8190, "max_tokens": 8}, None, 400, "context_length_exceeded", "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x" * 8300}, None, 400, "context_length_exceeded", "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x" * 70_000}, None, 413, "request_too_large", None),
     ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, None, 400, "invalid_value", "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, None, 400, "invalid_value", "prompt"),
@@ -196,3 +197,11 @@ def test_cli_refuses_a_policy_that_needs_the_future():
     from pbkv.cli import app
     r = CliRunner().invoke(app, ["serve", "--policy", "oracle"])
     assert r.exit_code == 2 and "future" in r.output
+
+
+def test_without_max_tokens_a_long_prompt_gets_what_the_context_leaves(srv):
+    limit = srv.state.max_context
+    prompt = [7] * (limit - 4)                               # token ids: 4 positions left
+    r = post(srv, "/v1/completions", {"model": "tiny", "prompt": prompt, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4      # the default (256) capped, not a 400

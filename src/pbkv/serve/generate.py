@@ -48,11 +48,14 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
         raise bad_request("The prompt is empty.", param, "invalid_value")
     wanted = body.wanted_tokens()
     limits = state.config
-    max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit) if wanted is None else wanted
+    limit = state.max_context
+    if wanted is None:   # the default fits what the prompt leaves of the context (as vLLM's does)
+        max_tokens = max(1, min(limits.default_max_tokens, limits.max_tokens_limit, limit - len(prompt_ids)))
+    else:
+        max_tokens = wanted
     if max_tokens > limits.max_tokens_limit:
         raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}.",
                           "max_tokens", "invalid_value")
-    limit = state.max_context
     if len(prompt_ids) + max_tokens > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
