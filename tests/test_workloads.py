@@ -352,6 +352,17 @@ def set_p(i, p):
     (lambda d: d.pop("flow"), "hover.yaml: flow: required field is missing"),
     (lambda d: d["agents"]["planner"].update(output=[200, 100]), "agents.planner.output: expected an integer >= 1"),
     (lambda d: d["agents"]["planner"].update(prompt=100_001), "agents.planner.prompt:"),
+    # every token count is bounded (an unbounded one exhausted memory while generating)
+    (lambda d: d["agents"]["planner"].update(output=10**12),
+     "hover.yaml: agents.planner.output: expected at most 100000 tokens (got 1000000000000)"),
+    (lambda d: d["agents"]["planner"].update(output=[1, 100_001]),
+     "agents.planner.output: expected at most 100000 tokens (got [1, 100001])"),
+    (lambda d: d["task"].update(tokens=10**11), "task.tokens: expected at most 100000 tokens (got 100000000000)"),
+    (lambda d: d["agents"]["retriever"]["tool"].update(tokens=10**11),
+     "agents.retriever.tool.tokens: expected at most 100000 tokens (got 100000000000)"),
+    (lambda d: d.update(preamble=100_001), "preamble:"),
+    (set_p(0, "[1] * 100000000"), "flow.transitions.verifier[0].p: at column 1: '[1] * 100000000' would build "
+                                  "a sequence of 100000000 items (at most 1000)"),
     (lambda d: d["agents"]["planner"].update(propmt=5), "agents.planner.propmt: unknown field"),
     (lambda d: d["agents"]["judge"].update(sees=["planer"]), "agents.judge.sees[0]: unknown agent 'planer'"),
     (lambda d: d["agents"]["judge"].update(draw=["topic"]), "agents.judge.draw[0]: unknown turn variable 'topic'"),
@@ -366,6 +377,12 @@ def test_spec_errors_name_field_path(fn, expected):
     with pytest.raises(SpecError) as err:
         parse_spec(mutate(fn), "hover.yaml")
     assert expected in str(err.value)
+
+
+def test_token_counts_at_the_bound_are_accepted():
+    spec = parse_spec(mutate(lambda d: (d["agents"]["planner"].update(prompt=100_000, output=100_000),
+                                        d["task"].update(tokens=[1, 100_000]))), "hover.yaml")
+    assert spec.agents["planner"].output == (100_000, 100_000) and spec.task.tokens == (1, 100_000)
 
 
 def test_load_spec_errors(tmp_path):
@@ -405,11 +422,64 @@ def test_expressions_evaluate():
         compile_expr("1 / (step - 4)", ns, scalars=("step",))(env)
 
 
+def test_expressions_refuse_long_sequences_before_building_them():
+    ns = {"visits": ["a"]}
+    env = {"visits": {"a": 10**8}, "step": 2}
+    assert compile_expr("'ab' * 500", ns)(env) == "ab" * 500  # 1000 characters: the bound itself
+    assert compile_expr("3 in [1, 2] * 2 + [4]", ns)(env) is False
+    with pytest.raises(ExprError, match=r"at column 1: '\[1\] \* 100000000' would build a sequence of 100000000"):
+        compile_expr("[1] * 100000000", ns)  # constants: refused at compile time, not after seconds
+    with pytest.raises(ExprError, match="would build a sequence of 1002 items"):
+        compile_expr("'ab' * 501", ns)
+    with pytest.raises(ExprError, match=r"\(at most 1000\)"):
+        compile_expr("[1] * 600 + [2] * 600", ns)
+    late = compile_expr("0.5 if step < 3 else 1 in [1] * visits.a", ns, scalars=("step",))
+    assert late(env) == 0.5
+    t0 = time.perf_counter()
+    with pytest.raises(ExprError, match=r"at column 27: '\[1\] \* visits.a' would build a sequence of 100000000"):
+        late({**env, "step": 3})
+    assert time.perf_counter() - t0 < 0.1
+    # a constant operation that fails for another reason stays a run-time error, as before
+    assert compile_expr("0 if step < 9 else 'a' + 1", ns, scalars=("step",))(env) == 0
+
+
+def test_long_values_are_cut_in_error_messages():
+    data = yaml.safe_load(MINI)
+    data["flow"]["transitions"]["intake"] = [{"to": "checker", "p": "[1] * 300"}]
+    data["flow"]["start"] = "intake"
+    with pytest.raises(ExprError) as err:
+        generate(parse_spec(data, "mini.yaml"), 1)
+    msg = str(err.value)
+    assert "flow.transitions.intake: p of 'checker' evaluated to (1, 1, 1," in msg
+    assert msg.endswith(" 1,..., expected a number >= 0") and len(msg) < 160
+    with pytest.raises(ExprError, match=r"^no key \('x{55}\.\.\. in task$"):  # 60 characters
+        compile_expr("task[['x' * 200, 'x' * 200]]", {"task": None})({"task": {}})
+
+
 @pytest.mark.parametrize("src", ["task", "task.hops.real", "open('x')", "[x for x in task]", "task.__class__",
                                  "step.bit_length()", "{'a': 1}", "task.hops if True", "", "a := 1", "'%s' % step"])
 def test_expressions_reject_outside_whitelist(src):
     with pytest.raises(ExprError):
         compile_expr(src, {"task": ["hops"]}, scalars=("step",))
+
+
+def test_huge_probabilities_do_not_overflow():
+    # p's are relative weights: 1e308 against 1e308 is 50/50 (their sum overflowed to inf, which
+    # made every workflow take the last target) and draws exactly as 1e307 against 1e307
+    def spec(p):
+        agent = {"prompt": 10, "output": 5}
+        return parse_spec({"name": "big", "agents": {"a": agent, "b": agent}, "task": {"tokens": 5},
+                           "flow": {"start": "a", "transitions": {"a": [{"to": "b", "p": p}, {"to": "END", "p": p}]}}})
+    huge, big = generate(spec(1e308), 400, seed=0), generate(spec(1e307), 400, seed=0)
+    assert [call_to_dict(c) for c in huge.calls] == [call_to_dict(c) for c in big.calls]
+    two = sum(len(calls) == 2 for calls in by_workflow(huge))
+    assert 150 < two < 250
+    data = yaml.safe_load(MINI)  # an expression and a constant together, and `rest` next to them
+    data["flow"]["transitions"]["intake"] = [{"to": "checker", "p": "1e308 if step > 0 else 0"},
+                                             {"to": "closer", "p": 1.7e308}, {"to": "Deep Worker", "p": "rest"}]
+    data["flow"]["start"] = "intake"
+    seconds = [calls[1].agent for calls in by_workflow(generate(parse_spec(data), 400, seed=0))]
+    assert set(seconds) == {"checker", "closer"} and 0.27 < seconds.count("checker") / 400 < 0.47  # 1 : 1.7
 
 
 # ---------------------------------------------------------------- speed

@@ -14,7 +14,10 @@ Invariants of a compiled `Expr`:
   namespace with known keys is one of those keys (checked at compile time, not at run time);
 - a comparison of `ns.key` (or a scalar) with a constant uses a constant from that reference's
   allowed values, when the caller provides them (catches typos such as `task.evidence == 'nosiy'`);
-- evaluating it never mutates the environment.
+- evaluating it never mutates the environment;
+- a string or list it builds with `+` or `*` has at most MAX_ITEMS items: a longer one is refused
+  before it is built (when the operands are constants, already at compile time).
+Values shown in error messages are cut to SHOW_WIDTH characters (`show`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ _COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, as
             ast.Gt: operator.gt, ast.GtE: operator.ge,
             ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+# A probability needs no long string or list, and `[1] * 100000000` would take seconds and gigabytes
+# to build (and its repr would flood the error message that rejects it).
+MAX_ITEMS = 1000
+SHOW_WIDTH = 60
+_SEQUENCES = (str, tuple)  # what an expression can build: strings, and lists (evaluated as tuples)
 
 Env = Mapping[str, object]
 Fn = Callable[[Env], object]
@@ -36,6 +44,23 @@ Fn = Callable[[Env], object]
 
 class ExprError(ValueError):
     """An expression is malformed, uses something outside the whitelist, or failed at run time."""
+
+
+def show(v: object, width: int = SHOW_WIDTH) -> str:
+    """`repr(v)`, cut to `width` characters (ending in '...') so an error message stays one line."""
+    text = repr(v)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _built_length(op: Callable, a: object, b: object) -> int | None:
+    """How many items `op(a, b)` would build: + or * on strings or lists; None for anything else."""
+    if op is operator.add and isinstance(a, _SEQUENCES) and type(a) is type(b):
+        return len(a) + len(b)
+    if op is operator.mul and isinstance(a, _SEQUENCES) and isinstance(b, int):
+        return len(a) * max(b, 0)
+    if op is operator.mul and isinstance(b, _SEQUENCES) and isinstance(a, int):
+        return len(b) * max(a, 0)
+    return None
 
 
 class Expr:
@@ -99,7 +124,7 @@ class _Builder:
     def _Constant(self, node: ast.Constant) -> Fn:
         v = node.value
         if not isinstance(v, (bool, int, float, str)):
-            self.fail(node, f"constant {v!r} is not allowed")
+            self.fail(node, f"constant {show(v)} is not allowed")
         return lambda env: v
 
     def _Name(self, node: ast.Name) -> Fn:
@@ -117,7 +142,7 @@ class _Builder:
             self.fail(node, f"unknown name '{node.id}' (allowed: {self.allowed_names()})")
         if not isinstance(node, ast.Name) or node.id not in self.dicts:
             self.fail(node, f"only the namespaces {', '.join(self.dicts)} can be indexed "
-                            f"(got {ast.unparse(node)!r})")
+                            f"(got {show(ast.unparse(node))})")
         return node.id
 
     def _key(self, node: ast.AST, ns: str, key: str) -> Fn:
@@ -134,7 +159,7 @@ class _Builder:
         index = node.slice
         if isinstance(index, ast.Constant):
             if not isinstance(index.value, str):
-                self.fail(index, f"{ns}[...] needs a string key, got {index.value!r}")
+                self.fail(index, f"{ns}[...] needs a string key, got {show(index.value)}")
             return self._key(node, ns, index.value)
         key = self.build(index)  # computed key, e.g. visits[last]: checked when evaluated
         if ns in self.dict_default:
@@ -146,7 +171,7 @@ class _Builder:
             try:
                 return env[ns][k]
             except (KeyError, TypeError):
-                raise ExprError(f"no key {k!r} in {ns}") from None
+                raise ExprError(f"no key {show(k)} in {ns}") from None
         return lookup
 
     def _List(self, node: ast.List) -> Fn:
@@ -174,7 +199,7 @@ class _Builder:
         allowed = self.choices[ref]
         if const_node.value not in allowed:
             shown = ", ".join(repr(a) for a in allowed)
-            self.fail(const_node, f"{ref} is never {const_node.value!r} (its values: {shown})")
+            self.fail(const_node, f"{ref} is never {show(const_node.value)} (its values: {shown})")
 
     def _Compare(self, node: ast.Compare) -> Fn:
         operands = [node.left, *node.comparators]
@@ -238,7 +263,25 @@ class _Builder:
         if type(node.op) not in _BINARY:
             self.fail(node, f"operator {type(node.op).__name__} is not allowed (allowed: + - * /)")
         op, a, b = _BINARY[type(node.op)], self.build(node.left), self.build(node.right)
-        return lambda env: op(a(env), b(env))
+        if op not in (operator.add, operator.mul):
+            return lambda env: op(a(env), b(env))
+        where = f"at column {node.col_offset + 1}: {show(ast.unparse(node))}"
+
+        def sized(env):
+            x, y = a(env), b(env)
+            if isinstance(x, _SEQUENCES) or isinstance(y, _SEQUENCES):  # numbers, the usual case, skip this
+                n = _built_length(op, x, y) or 0
+                if n > MAX_ITEMS:
+                    raise ExprError(f"{where} would build a sequence of {n} items (at most {MAX_ITEMS})")
+            return op(x, y)
+        if not any(isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)) for n in ast.walk(node)):
+            try:  # constant operands: a too long result is an error when the spec loads, not mid-trace
+                sized({})
+            except ExprError:
+                raise
+            except Exception:
+                pass  # e.g. 'a' + 1 in a branch never taken: an error only if evaluated, as before
+        return sized
 
     def _IfExp(self, node: ast.IfExp) -> Fn:
         c, a, b = self.build(node.test), self.build(node.body), self.build(node.orelse)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pbkv.trace.call import Call, Trace, TraceMeta
-from pbkv.workloads.expr import Expr, ExprError
+from pbkv.workloads.expr import Expr, ExprError, show
 from pbkv.workloads.spec import END, START, VarSpec, WorkflowSpec
 from pbkv.workloads.spec_files import load_spec
 
@@ -129,7 +129,9 @@ def transition_weights(items: list[tuple[str, float | Expr | None]], env: dict, 
     """The weight of each target of a transition list in state `env`: constants as given,
     expressions evaluated (each checked to be a number >= 0), None ('rest') = 1 - the others'
     sum, at least 0. Not normalised: the chance of a target is its weight over the sum, and a
-    sum of 0 means END. The generator draws by it (`_pick`); diagnostics read it as a distribution."""
+    sum of 0 means END. The sum is always finite: weights whose sum overflows (two p's of 1e308)
+    are divided by the largest, which keeps their ratios. The generator draws by it (`_pick`);
+    diagnostics read it as a distribution."""
     ps, rest = [], None
     for k, (to, p) in enumerate(items):
         if p is None:
@@ -141,10 +143,13 @@ def transition_weights(items: list[tuple[str, float | Expr | None]], env: dict, 
             except ExprError as e:
                 raise ExprError(f"{where}: {e}") from None
             if not isinstance(p, (int, float)) or not 0 <= p < math.inf:  # a bool is 0 or 1
-                raise ExprError(f"{where}: p of '{to}' evaluated to {p!r}, expected a number >= 0")
+                raise ExprError(f"{where}: p of '{to}' evaluated to {show(p)}, expected a number >= 0")
         ps.append(p)
     if rest is not None:
         ps[rest] = max(0.0, 1.0 - sum(ps))
+    if sum(ps) == math.inf:  # only then: every spec whose sum is finite draws exactly as before
+        top = max(ps)
+        ps = [p / top for p in ps]
     return ps
 
 

@@ -10,7 +10,8 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
 - every agent named in `flow.start`, `flow.transitions` (keys and `to`) and `sees` exists; a `to`
   may also be END; no agent is called END or START;
 - every name in an agent's `draw` is a turn variable; `persist` is set only on turn variables;
-- ranges have lo <= hi; token counts are > 0 (prompt tokens 1..100000); waits are >= 0;
+- ranges have lo <= hi; token counts (prompt, output, task and tool tokens) are 1..MAX_TOKENS, the
+  preamble 0..MAX_TOKENS; waits are >= 0;
 - a variable's values are distinct scalars; its weights match them in number, are >= 0 and sum
   to > 0; its `words` (if any) give a non-empty list for every value, and no word names two values;
 - every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
@@ -31,14 +32,18 @@ from pbkv.workloads.expr import Expr, ExprError, compile_expr
 
 END, START = "END", "START"
 REST = "rest"  # p of the remaining probability: max(0, 1 - sum of the list's other p's)
+# The most tokens any one count of a spec may ask for. The generator makes a hash id per block of
+# every prompt, and outputs and tool results join later prompts, so an unbounded count (a typo such
+# as `output: 1000000000000`) would exhaust memory instead of failing with a message.
+MAX_TOKENS = 100_000
 # ---------------------------------------------------------------- field types
 
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _range(integer: bool, minimum: float):
-    """Validator for `n` or `[lo, hi]` -> (lo, hi), both >= minimum, lo <= hi."""
+def _range(integer: bool, minimum: float, maximum: float = math.inf, unit: str = ""):
+    """Validator for `n` or `[lo, hi]` -> (lo, hi), minimum <= lo <= hi <= maximum."""
     kind = "an integer" if integer else "a number"
 
     def check(v: Any) -> tuple:
@@ -46,6 +51,8 @@ def _range(integer: bool, minimum: float):
         ok = len(items) == 2 and all(_number(x) and (not integer or float(x).is_integer()) for x in items)
         if not ok or items[0] > items[1] or items[0] < minimum:
             raise ValueError(f"expected {kind} >= {minimum:g} or [lo, hi] of such with lo <= hi")
+        if items[1] > maximum:
+            raise ValueError(f"expected at most {maximum:g}{unit}")
         return tuple(int(x) for x in items) if integer else tuple(float(x) for x in items)
     return BeforeValidator(check)
 
@@ -62,9 +69,10 @@ def _start(v: Any) -> Any:
     return [{"to": v}] if isinstance(v, str) else v  # `start: planner` is `start: [{to: planner}]`
 
 
-Tokens = Annotated[tuple[int, int], _range(True, 1)]
+Tokens = Annotated[tuple[int, int], _range(True, 1, MAX_TOKENS, " tokens")]
 Seconds = Annotated[tuple[float, float], _range(False, 0)]
 Prob = Annotated[float | str, BeforeValidator(_prob)]
+PromptTokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)]
 Count = Annotated[int, Field(strict=True, ge=1, le=100_000)]
 
 
@@ -150,7 +158,7 @@ class ToolSpec(_Model):
 
 
 class AgentSpec(_Model):
-    prompt: Count  # fixed prompt tokens (role, tools, examples): the same in every workflow
+    prompt: PromptTokens  # fixed prompt tokens (role, tools, examples): the same in every workflow
     output: Tokens
     tool: ToolSpec | None = None
     sees: list[str] | None = None  # agents whose outputs/tool results this agent's prompt shows; None: all
@@ -180,7 +188,7 @@ class WorkflowSpec(_Model):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
     block_size: Annotated[int, Field(strict=True, ge=1, le=4096)] = 16
-    preamble: Annotated[int, Field(strict=True, ge=0, le=100_000)] = 0  # tokens shared by every agent
+    preamble: Annotated[int, Field(strict=True, ge=0, le=MAX_TOKENS)] = 0  # tokens shared by every agent
     agents: dict[str, AgentSpec] = Field(min_length=1)
     task: TaskSpec
     turn_vars: dict[str, VarSpec] = {}

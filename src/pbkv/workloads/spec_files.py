@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from pbkv.files import read_text
+from pbkv.workloads.expr import show
 from pbkv.workloads.spec import WorkflowSpec
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
@@ -40,11 +41,6 @@ def _path(loc: tuple) -> str:
     return out
 
 
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _format(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -56,7 +52,7 @@ def _format(source: str, err: ValidationError) -> str:
         elif e["type"] == "extra_forbidden":
             lines.append(f"{source}: {_path(e['loc'])}: unknown field (check the spelling)")
         else:
-            lines.append(f"{source}: {_path(e['loc'])}: {msg} (got {_show(e['input'])})")
+            lines.append(f"{source}: {_path(e['loc'])}: {msg} (got {show(e['input'])})")
     return "\n".join(lines)
 
 
