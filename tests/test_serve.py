@@ -205,3 +205,15 @@ def test_without_max_tokens_a_long_prompt_gets_what_the_context_leaves(srv):
     r = post(srv, "/v1/completions", {"model": "tiny", "prompt": prompt, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4      # the default (256) capped, not a 400
+
+
+def test_the_openai_client_retrieves_the_model_and_probes_may_use_head(srv, client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    r = httpx.get(srv.url + "/v1/models/gpt-4")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert httpx.head(srv.url + "/health").status_code == 200
+    r = post(srv, "/v1/completions", {"model": "tiny", "prompt": "p", "max_tokens": 2,
+                                      "stream_options": {"include_usage": True}})       # without stream: true
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    assert "only allowed when stream is true" in r.json()["error"]["message"]
+    assert 'endpoint="/v1/models/{id}"' in httpx.get(srv.url + "/metrics").text

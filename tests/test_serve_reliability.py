@@ -240,7 +240,9 @@ def test_slow_headers_and_slow_bodies_are_cut_off_while_others_are_served(srv):
                       b"content-length: %d\r\n\r\n" % len(body) + body[:5])    # body never finishes
     assert completion(srv).status_code == 200                                 # others are served meanwhile
     assert _read_all(silent).startswith(b"HTTP/1.1 408")
-    assert _read_all(slow_head).startswith(b"HTTP/1.1 408")
+    head_answer = _read_all(slow_head)
+    assert head_answer.startswith(b"HTTP/1.1 408")
+    assert json.loads(head_answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     answer = _read_all(slow_body)
     assert answer.startswith(b"HTTP/1.1 408")
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"

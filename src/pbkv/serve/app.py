@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from pbkv.serve import schemas
 from pbkv.serve.auth import check_api_key, header_hint, read_json
-from pbkv.serve.errors import INVALID, APIError, bad_request, error_body, pydantic_errors
+from pbkv.serve.errors import INVALID, APIError, bad_request, error_body, model_not_found, pydantic_errors
 from pbkv.serve.gauges import engine_snapshot
 from pbkv.serve.limits import BodyTimeout
 from pbkv.serve.generate import CLIENT_GONE, prepare, respond
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # server.py builds the state and imports this module
 
 log = logging.getLogger("pbkv.serve")
 ROUTES = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"}
+LABELS = (("/v1/workflows/", "/v1/workflows/{id}/end"), ("/v1/models/", "/v1/models/{id}"))  # bounded labels
 
 
 @dataclass
@@ -79,7 +80,7 @@ class CountRequests:
         finally:
             path = scope.get("path", "")
             if path not in ROUTES:
-                path = "/v1/workflows/{id}/end" if path.startswith("/v1/workflows/") else "other"
+                path = next((label for prefix, label in LABELS if path.startswith(prefix)), "other")
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
@@ -139,7 +140,7 @@ def _error_handlers(app: FastAPI) -> None:
 def _info_routes(app: FastAPI, state: ServerState) -> None:
     """/health, /v1/models, /metrics, /v1/workflows/{workflow_id}/end."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # HEAD: load balancers' probes
     async def health():
         extra = state.health() if state.health is not None else {}
         return {"status": "ok", "model": state.model_name, "policy": state.policy_name} | extra
@@ -148,6 +149,13 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     async def models(request: Request):
         check_api_key(request, state.config.api_key)
         return schemas.models_response(state.model_name, state.created)
+
+    @app.get("/v1/models/{model:path}")   # the OpenAI client's models.retrieve
+    async def model(request: Request, model: str):
+        check_api_key(request, state.config.api_key)
+        if model != state.model_name:
+            raise model_not_found(model, state.model_name)
+        return schemas.model_object(state.model_name, state.created)
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -17,11 +17,21 @@ its answer (bounded by the engine, which the queue limit bounds).
 from __future__ import annotations
 
 import asyncio
+import json
 
-from pbkv.serve.errors import APIError
+from pbkv.serve.errors import INVALID, APIError, error_body
 
-TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\nconnection: close\r\n"
-               b"content-length: 31\r\n\r\nRequest headers took too long.\n")
+
+def _timeout_408() -> bytes:
+    """The raw answer to headers that took too long (written before any ASGI app runs), in the
+    OpenAI error shape like every other error."""
+    body = json.dumps(error_body("The request headers took too long to arrive.", INVALID, None,
+                                 "request_timeout")).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body)
+
+
+TIMEOUT_408 = _timeout_408()
 
 
 def with_header_timeout(base: type, seconds: float) -> type:

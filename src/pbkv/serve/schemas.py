@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pbkv.engine.request import HIT_TIERS
 
@@ -85,6 +85,13 @@ class _Common(_Strict):
     def _one_choice(cls, v: int) -> int:
         if v != 1:
             raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed_only(cls, v, info: ValidationInfo):
+        if v is not None and not info.data.get("stream"):   # as OpenAI's API: a 400, not ignored
+            raise ValueError("stream_options is only allowed when stream is true")
         return v
 
     @field_validator("seed")
@@ -226,5 +233,9 @@ def usage_chunk(rid: str, model: str, created: int, obj: str, prompt: int, compl
             "usage": usage(prompt, completion, cached)}
 
 
+def model_object(model: str, created: int) -> dict:
+    return {"id": model, "object": "model", "created": created, "owned_by": "pbkv"}
+
+
 def models_response(model: str, created: int) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "pbkv"}]}
+    return {"object": "list", "data": [model_object(model, created)]}
