@@ -152,3 +152,15 @@ def test_recorder_writes_valid_rotating_traces(tmp_path):
     for t in traces:
         for calls in t.workflows().values():
             assert [c.step for c in calls] == [0, 1] and calls[-1].done and not calls[0].done
+
+
+def test_a_union_fields_error_is_its_deepest_branchs():
+    from pbkv.serve import schemas
+    image = {"model": "t", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    for cls, body, param, says in [
+            (schemas.ChatRequest, image, "messages.0.content.0.type", "Input should be 'text'"),
+            (schemas.CompletionRequest, {"model": "t", "prompt": [True]}, "prompt.0", "valid integer")]:
+        with pytest.raises(ValidationError) as e:
+            cls.model_validate(body)
+        err = pydantic_errors(e.value)
+        assert (err.status, err.param) == (400, param) and says in err.message, err.message

@@ -60,8 +60,13 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")  # p
 
 
 def pydantic_errors(exc) -> APIError:
-    """The first validation error of a pydantic `ValidationError`, with its field path as `param`."""
-    err = exc.errors()[0]
+    """The first validation error of a pydantic `ValidationError`, with its field path as `param`.
+    A union field (`content`: a string or a list of parts) fails once per branch, the first
+    branch's error first: the deepest error of that field is the one that says what is wrong (an
+    image part's `type`, not "should be a valid string")."""
+    errors = exc.errors()
+    field = tuple(errors[0].get("loc", ()))[:1]
+    err = max((e for e in errors if tuple(e.get("loc", ()))[:1] == field), key=lambda e: len(e.get("loc", ())))
     loc = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and _TYPE_TAG.match(p))]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value")
