@@ -271,6 +271,9 @@ def test_cli_train_and_predict_eval(tmp_path):
     assert "fused" in r.output and "markov" in r.output
     out = json.loads((tmp_path / "a.json").read_text())
     assert {"top1_k1", "top1_k3", "ece", "markov_top1_k1", "us_per_call", "end_acc"} <= set(out)
+    for option, value in (("--horizon", 2), ("--epochs", 5)):   # they shape training: not silently ignored
+        r = invoke("predict-eval", "--predictor", tmp_path / "m", "--trace", trace, option, value)
+        assert r.exit_code == 2 and f"{option}: a saved --predictor is scored as it was trained" in r.output
     r = invoke("predict-eval", "--trace", trace, "--split", "--epochs", 2, "--json", tmp_path / "b.json")
     assert r.exit_code == 0, r.output
     assert "history-only" in r.output and "context-only" in r.output

@@ -54,7 +54,7 @@ def predict_eval(
     train: TrainOpt = None,
     test: Annotated[Optional[Path], typer.Option(help="With --train: evaluate on this trace.")] = None,
     split: Annotated[bool, typer.Option(help="Split --trace by task (50/50): train on one half, test on the other.")] = False,
-    horizon: HorizonOpt = 3,
+    horizon: HorizonOpt = None,
     epochs: EpochsOpt = None,
     seed: SeedOpt = 0,
     json_path: JsonOpt = None,
@@ -73,9 +73,13 @@ def predict_eval(
         if predictor is not None:
             if one is None or train is not None or test is not None:
                 fail("with --predictor give --trace FILE (and optionally --split to score its test half)")
+            for option, value in (("--horizon", horizon), ("--epochs", epochs)):
+                if value is not None:   # not silently ignored: they shape a predictor trained here
+                    fail(f"{option}: a saved --predictor is scored as it was trained; {option} is for "
+                         f"predictors trained here (--train or --split)")
             rows = _saved_rows(predictor, one, split, seed)
         else:
-            rows = _trained_rows(one, train, test, split, horizon, epochs, seed)
+            rows = _trained_rows(one, train, test, split, horizon or 3, epochs, seed)
     _print_predict_table(rows)
     if json_path:
         out = {prefix + k: v for _, prefix, m in rows for k, v in m.items()}
