@@ -2,6 +2,11 @@
 
 A profile is a JSON file (built-ins live in `engine/profiles/`); `load_profile` takes a built-in
 name or a path. Every number says where it comes from in the file's `sources`.
+
+Invariant: a profile that loads gives finite costs. Every number is finite (no Infinity or NaN),
+and rates, efficiencies, sizes and latencies lie within the bounds below: each rate the cost
+model divides by (FLOP/s, bytes/s) is at least RATE_MIN x 1e9 x EFF_MIN > 0 and at most
+MAX_GPUS x RATE_MAX x 1e12, so no time, bandwidth or capacity derived from it overflows.
 """
 
 from __future__ import annotations
@@ -10,53 +15,78 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pbkv.files import read_text
 
 GIB = 1024 ** 3
 
+# Bounds far outside any real hardware, close enough that every derived cost stays finite.
+RATE_MIN, RATE_MAX = 1e-6, 1e6   # TFLOP/s and GB/s per GPU (calibrate on a CPU: ~1e-3 TFLOP/s)
+EFF_MIN = 1e-6                   # utilisations and efficiencies (calibrate writes >= 1e-6)
+MAX_GIB = 1e6                    # GPU memory and reserve, GiB per GPU
+MAX_MS = 1e6                     # fixed latencies and overheads, ms (about 17 minutes)
+MAX_DIM = 1_000_000              # layers, heads, head_dim
+MAX_GPUS = 65536                 # GPUs per model instance
+FINITE = ConfigDict(allow_inf_nan=False)  # JSON's Infinity, -Infinity and NaN are refused
+
+
+def _rate(description: str):
+    return Field(ge=RATE_MIN, le=RATE_MAX, description=description)
+
+
+def _eff(default: float, description: str = ""):
+    return Field(default, ge=EFF_MIN, le=1, description=description)
+
+
+def _ms(default: float, description: str = ""):
+    return Field(default, ge=0, le=MAX_MS, description=description)
+
 
 class ModelShape(BaseModel):
+    model_config = FINITE
     name: str
-    params_b: float = Field(gt=0, description="parameters, billions")
-    layers: int = Field(gt=0)
-    heads: int = Field(gt=0, description="query heads")
-    kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    dtype_bytes: int = Field(2, gt=0)
+    params_b: float = Field(gt=0, le=1e6, description="parameters, billions")
+    layers: int = Field(gt=0, le=MAX_DIM)
+    heads: int = Field(gt=0, le=MAX_DIM, description="query heads")
+    kv_heads: int = Field(gt=0, le=MAX_DIM)
+    head_dim: int = Field(gt=0, le=MAX_DIM)
+    dtype_bytes: int = Field(2, gt=0, le=8)
 
 
 class GPUs(BaseModel):
+    model_config = FINITE
     name: str
-    count: int = Field(gt=0, description="GPUs serving one model instance (tensor parallel)")
-    memory_gib: float = Field(gt=0, description="per GPU")
-    tflops: float = Field(gt=0, description="dense bf16 tensor TFLOP/s per GPU")
-    hbm_gbps: float = Field(gt=0, description="memory bandwidth per GPU, GB/s")
-    pcie_gbps: float = Field(gt=0, description="host<->device bandwidth per GPU and direction, GB/s")
+    count: int = Field(gt=0, le=MAX_GPUS, description="GPUs serving one model instance (tensor parallel)")
+    memory_gib: float = Field(gt=0, le=MAX_GIB, description="per GPU")
+    tflops: float = _rate("dense bf16 tensor TFLOP/s per GPU")
+    hbm_gbps: float = _rate("memory bandwidth per GPU, GB/s")
+    pcie_gbps: float = _rate("host<->device bandwidth per GPU and direction, GB/s")
 
 
 class Profile(BaseModel):
-    """Everything the cost model needs; efficiencies turn peak numbers into achieved ones."""
+    """Everything the cost model needs; efficiencies turn peak numbers into achieved ones.
+    Every number is finite and within the module's bounds (see the module docstring)."""
 
+    model_config = FINITE
     name: str
     description: str = ""
     sources: list[str] = []
     model: ModelShape
     gpu: GPUs
     mem_fraction: float = Field(0.9, gt=0, le=1, description="share of GPU memory the server may use")
-    reserve_gib: float = Field(2.0, ge=0, description="per GPU: activations, graphs, fragmentation")
-    prefill_mfu: float = Field(0.5, gt=0, le=1)
-    decode_mfu: float = Field(0.3, gt=0, le=1)
-    decode_bw_eff: float = Field(0.7, gt=0, le=1, description="achieved share of HBM bandwidth in decode")
-    pcie_eff: float = Field(0.5, gt=0, le=1, description="achieved share of PCIe for paged KV copies")
-    load_latency_ms: float = Field(0.5, ge=0, description="fixed cost of one host->device load")
-    disk_gbps: float = Field(2.0, gt=0, description="disk read bandwidth, GB/s")
-    disk_latency_ms: float = Field(1.0, ge=0)
-    step_overhead_ms: float = Field(2.0, ge=0, description="per forward pass: scheduling, launches, TP sync")
+    reserve_gib: float = Field(2.0, ge=0, le=MAX_GIB, description="per GPU: activations, graphs, fragmentation")
+    prefill_mfu: float = _eff(0.5)
+    decode_mfu: float = _eff(0.3)
+    decode_bw_eff: float = _eff(0.7, "achieved share of HBM bandwidth in decode")
+    pcie_eff: float = _eff(0.5, "achieved share of PCIe for paged KV copies")
+    load_latency_ms: float = _ms(0.5, "fixed cost of one host->device load")
+    disk_gbps: float = Field(2.0, ge=RATE_MIN, le=RATE_MAX, description="disk read bandwidth, GB/s")
+    disk_latency_ms: float = _ms(1.0)
+    step_overhead_ms: float = _ms(2.0, "per forward pass: scheduling, launches, TP sync")
     max_prefill_tokens: int = Field(16384, gt=0, description="new tokens per prefill batch")
     max_running: int = Field(256, gt=0, description="requests decoding at once")
-    host_ratio: float = Field(2.0, ge=0, description="host KV tokens = ratio x device KV tokens")
+    host_ratio: float = Field(2.0, ge=0, le=1e6, description="host KV tokens = ratio x device KV tokens")
     disk_tokens: int = Field(0, ge=0)
 
     @property

@@ -22,7 +22,10 @@ FORMAT = "pbkv-markov"
 
 
 class MarkovPredictor:
-    """Transition counts `counts[from, to]`: from = agents, UNK, START; to = agents, UNK, END."""
+    """Transition counts `counts[from, to]`: from = agents, UNK, START; to = agents, UNK, END.
+
+    Invariants (checked here, so a hand-edited `markov.json` cannot slip through): every count
+    is a finite number >= 0 and `alpha` is a finite number >= 0, so each row is a distribution."""
 
     name = "markov"
 
@@ -33,6 +36,9 @@ class MarkovPredictor:
         counts = np.asarray(counts, dtype=np.float64)
         if counts.shape != (n + 2, n + 2):
             raise ValueError(f"counts must have shape {(n + 2, n + 2)}, got {counts.shape}")
+        _check_counts(counts)
+        if not 0 <= alpha < float("inf"):
+            raise ValueError(f"field 'alpha': expected a finite number >= 0, got {alpha!r}")
         self.agents, self.horizon, self.alpha = list(agents), horizon, float(alpha)
         self.counts = counts
         self.index = {a: i for i, a in enumerate(self.agents)}
@@ -74,9 +80,16 @@ class MarkovPredictor:
 
     @classmethod
     def from_dict(cls, d: dict) -> "MarkovPredictor":
+        """A predictor from `to_dict`'s JSON; a field of the wrong type or value is a ValueError
+        naming the field and the value (`horizon` an integer, `alpha` a number, as saved)."""
         if d.get("format") != FORMAT:
             raise ValueError(f"not a Markov predictor (format {d.get('format')!r}, expected {FORMAT!r})")
-        return cls(d["agents"], np.array(d["counts"], dtype=np.float64), int(d["horizon"]), float(d["alpha"]))
+        horizon, alpha = d["horizon"], d["alpha"]
+        if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 1:
+            raise ValueError(f"field 'horizon': expected an integer >= 1, got {horizon!r}")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise ValueError(f"field 'alpha': expected a finite number >= 0, got {alpha!r}")
+        return cls(d["agents"], np.array(d["counts"], dtype=np.float64), horizon, float(alpha))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()) + "\n")
@@ -90,6 +103,15 @@ class MarkovPredictor:
             raise ValueError(f"{path}: no such Markov model file") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a valid Markov model ({e})") from None
+
+
+def _check_counts(counts: np.ndarray) -> None:
+    """Raise ValueError naming the first count that is negative, infinite or NaN."""
+    bad = np.argwhere(~(np.isfinite(counts) & (counts >= 0)))
+    if len(bad):
+        i, j = bad[0]
+        raise ValueError(f"field 'counts': expected finite numbers >= 0, got {float(counts[i, j])!r} "
+                         f"at row {i}, column {j}")
 
 
 def fit_markov(traces: Trace | list[Trace], horizon: int = 3, alpha: float = 1.0) -> MarkovPredictor:

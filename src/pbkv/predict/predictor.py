@@ -155,6 +155,7 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
         if len(agents) != mcfg.n_agents:
             raise ValueError(f"{len(agents)} agents but the model has {mcfg.n_agents}")
         temp = config["temperature"]
+        _check_temperatures(temp, mcfg.horizon)
     except (ValueError, KeyError, TypeError) as e:
         raise PredictorLoadError(f"{cfg_path}: invalid config ({e})") from None
     net = PredictorNet(mcfg)
@@ -169,3 +170,18 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
         except ValueError as e:
             raise PredictorLoadError(str(e)) from None
     return NeuralPredictor(net, agents, temp["agent"], temp["continue"], markov, config.get("info"))
+
+
+def _check_temperatures(temp, horizon: int) -> None:
+    """`temperature.agent` and `temperature.continue` each hold `horizon` finite numbers > 0 (the
+    logits of step k are divided by the k-th): raise ValueError naming the field and the value."""
+    if not isinstance(temp, dict):
+        raise ValueError(f"field 'temperature': expected an object with 'agent' and 'continue', got {temp!r}")
+    for key in ("agent", "continue"):
+        values = temp.get(key)
+        if not (isinstance(values, list) and len(values) == horizon and all(map(_positive_finite, values))):
+            raise ValueError(f"field 'temperature.{key}': expected {horizon} finite numbers > 0, got {values!r}")
+
+
+def _positive_finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")

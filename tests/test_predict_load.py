@@ -1,0 +1,91 @@
+"""A hand-edited predictor folder is validated at load: a negative or non-finite Markov count or
+`alpha`, a NaN, zero or missing temperature is refused with the file, the field and the value,
+instead of loading and silently changing the accuracy figures."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pbkv.cli import app
+from pbkv.predict import MarkovPredictor, PredictorLoadError, load_predictor, save_predictor, train_predictor
+from pbkv.predict.store import live_dir
+
+TRACE = Path(__file__).parent / "data" / "chatdev-mini.jsonl"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    from pbkv.trace import read_trace
+    return save_predictor(train_predictor(read_trace(TRACE), epochs=1, seed=0), tmp_path_factory.mktemp("p") / "m")
+
+
+def edited(saved: Path, tmp_path: Path, name: str, edit) -> Path:
+    """A copy of the saved predictor whose live `name` (a JSON file) is changed by `edit(data)`."""
+    folder = shutil.copytree(saved, tmp_path / "m")
+    path = live_dir(folder) / name
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))  # inf and nan as Infinity and NaN, as a hand edit would
+    return folder
+
+
+def set_count(value):
+    def edit(d):
+        d["counts"][0][3] = value
+    return edit
+
+
+def set_temperature(key, value):
+    def edit(d):
+        d["temperature"][key][0] = value
+    return edit
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("markov.json", set_count(-50), r"field 'counts': expected finite numbers >= 0, got -50.0 at row 0, column 3"),
+    ("markov.json", set_count(float("nan")), r"field 'counts': expected finite numbers >= 0, got nan at row 0"),
+    ("markov.json", set_count(float("inf")), r"field 'counts': expected finite numbers >= 0, got inf at row 0"),
+    ("markov.json", lambda d: d.update(alpha=-0.5), r"field 'alpha': expected a finite number >= 0, got -0.5"),
+    ("markov.json", lambda d: d.update(alpha=float("nan")), r"field 'alpha': expected a finite number >= 0, got nan"),
+    ("markov.json", lambda d: d.update(alpha="1"), r"field 'alpha': expected a finite number >= 0, got '1'"),
+    ("markov.json", lambda d: d.update(horizon=2.5), r"field 'horizon': expected an integer >= 1, got 2.5"),
+    ("config.json", set_temperature("agent", float("nan")),
+     r"field 'temperature.agent': expected 3 finite numbers > 0, got \[nan, "),
+    ("config.json", set_temperature("continue", 0), r"field 'temperature.continue': expected 3 finite numbers > 0"),
+    ("config.json", set_temperature("agent", float("inf")), r"field 'temperature.agent': expected 3 finite"),
+    ("config.json", lambda d: d["temperature"]["agent"].pop(), r"field 'temperature.agent': expected 3 finite"),
+    ("config.json", lambda d: d["temperature"].pop("continue"),
+     r"field 'temperature.continue': expected 3 finite numbers > 0, got None"),
+], ids=["count-negative", "count-nan", "count-inf", "alpha-negative", "alpha-nan", "alpha-string", "horizon-float",
+        "temperature-nan", "temperature-zero", "temperature-inf", "temperature-short", "temperature-missing"])
+def test_a_bad_edited_field_is_refused_at_load_naming_file_field_value(saved, tmp_path, name, edit, message):
+    folder = edited(saved, tmp_path, name, edit)
+    with pytest.raises(PredictorLoadError, match=f"{name}: .*{message}"):
+        load_predictor(folder)
+
+
+def test_the_saved_predictor_itself_loads(saved):
+    p = load_predictor(saved)
+    assert p.markov is not None and len(p.t_agent) == p.horizon
+
+
+def test_predict_eval_refuses_a_negative_count_with_exit_2(saved, tmp_path):
+    folder = edited(saved, tmp_path, "markov.json", set_count(-50))
+    r = CliRunner().invoke(app, ["predict-eval", "--predictor", str(folder), "--trace", str(TRACE)])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "markov.json: not a valid Markov model (field 'counts': expected finite numbers >= 0, got -50.0" in out
+
+
+def test_markov_constructor_keeps_the_invariants():
+    with pytest.raises(ValueError, match=r"field 'counts': .* got -1.0 at row 1, column 0"):
+        MarkovPredictor(["a"], np.array([[0, 0, 0], [-1, 0, 0], [0, 0, 0]]))
+    with pytest.raises(ValueError, match=r"field 'alpha': expected a finite number >= 0, got inf"):
+        MarkovPredictor(["a"], np.zeros((3, 3)), alpha=float("inf"))
+    assert MarkovPredictor(["a"], np.zeros((3, 3)), alpha=0.0).alpha == 0.0  # alpha 0: no smoothing, allowed

@@ -1,0 +1,123 @@
+"""Numbers that used to pass the input checks and then overflow mid-run: a profile's Infinity, NaN
+or absurd magnitude, `--scale inf`, a seed past 64 bits. Each is refused before any work, with a
+message naming the file (or option), the field and the value."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pbkv.cli import app
+from pbkv.engine.cost import CostModel
+from pbkv.engine.profiles import builtin_profiles, load_profile
+
+BASE = "a6000-qwen3-32b"
+TRACE = Path(__file__).parent / "data" / "chatdev-mini.jsonl"
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def flat(output: str) -> str:
+    """The output on one line: rich wraps long errors and draws boxes around usage errors."""
+    return " ".join(output.replace("│", " ").split())
+
+
+def profile_with(tmp_path: Path, field: str, value: float) -> Path:
+    """The built-in profile BASE with `field` ('gpu.hbm_gbps': nested) set to `value`, as JSON
+    (Python's json writes inf as Infinity and nan as NaN, as a hand edit would)."""
+    data = json.loads(load_profile(BASE).model_dump_json())
+    *parents, leaf = field.split(".")
+    obj = data
+    for key in parents:
+        obj = obj[key]
+    obj[leaf] = value
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("host_ratio", float("inf"), "Input should be a finite number, got inf"),
+    ("gpu.hbm_gbps", float("inf"), "Input should be a finite number, got inf"),
+    ("gpu.pcie_gbps", float("inf"), "Input should be a finite number, got inf"),
+    ("step_overhead_ms", float("inf"), "Input should be a finite number, got inf"),
+    ("gpu.memory_gib", float("inf"), "Input should be a finite number, got inf"),
+    ("gpu.tflops", float("nan"), "Input should be a finite number, got nan"),
+    ("disk_gbps", float("-inf"), "Input should be a finite number, got -inf"),
+    ("gpu.hbm_gbps", 1e-300, "Input should be greater than or equal to 0.000001, got 1e-300"),
+    ("gpu.pcie_gbps", 1e300, "Input should be less than or equal to 1000000, got 1e\\+300"),
+    ("prefill_mfu", 1e-300, "Input should be greater than or equal to 0.000001, got 1e-300"),
+    ("load_latency_ms", 1e300, "Input should be less than or equal to 1000000, got 1e\\+300"),
+    ("model.layers", 10 ** 30, "Input should be less than or equal to 1000000, got 10{30}"),
+])
+def test_a_non_finite_or_absurd_profile_number_is_refused_naming_file_field_value(tmp_path, field, value, message):
+    path = profile_with(tmp_path, field, value)
+    with pytest.raises(ValueError, match=f"p.json: field '{field}': {message}"):
+        load_profile(str(path))
+
+
+def test_bench_refuses_an_infinite_profile_value_with_one_error_line_exit_2(tmp_path):
+    path = profile_with(tmp_path, "host_ratio", float("inf"))
+    r = invoke("bench", "--trace", TRACE, "--policies", "lru", "--concurrency", 4, "--jobs", 1,
+               "--out", tmp_path / "o", "--profile", path, "--pressure", "profile")
+    assert r.exit_code == 2, r.output
+    assert "p.json: field 'host_ratio': Input should be a finite number, got inf" in flat(r.output)
+    assert "OverflowError" not in r.output
+
+
+@pytest.mark.parametrize("name", builtin_profiles())
+def test_every_builtin_profile_is_within_the_bounds_and_costs_finite(name):
+    cost = CostModel(load_profile(name))
+    assert cost.tokens_per_second_pcie() > 0 and cost.load_seconds([0, 1000, 1000]) < float("inf")
+
+
+def test_the_extremes_of_the_bounds_give_finite_costs(tmp_path):
+    slow = json.loads(load_profile(BASE).model_dump_json())
+    slow["gpu"].update(tflops=1e-6, hbm_gbps=1e-6, pcie_gbps=1e-6)
+    slow.update(prefill_mfu=1e-6, decode_mfu=1e-6, decode_bw_eff=1e-6, pcie_eff=1e-6, disk_gbps=1e-6,
+                load_latency_ms=1e6, disk_latency_ms=1e6, step_overhead_ms=1e6, host_ratio=1e6)
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    p = load_profile(str(tmp_path / "slow.json"))
+    cost = CostModel(p)
+    seconds = [cost.prefill_seconds(cost.prefill_flops(10 ** 6, 10 ** 6)), cost.decode_step_seconds(256, 10 ** 8),
+               cost.load_seconds([0, 10 ** 8, 10 ** 8])]
+    assert all(0 < s < float("inf") for s in seconds)
+    assert int(cost.tokens_per_second_pcie() * max(seconds)) >= 0 and p.host_tokens > 0
+
+
+# ---------------------------------------------------------------- command-line numbers
+
+@pytest.mark.parametrize("option, value", [("--scale", "inf"), ("--scale", "nan"), ("--scale", "-inf"),
+                                           ("--output-scale", "inf")])
+def test_bench_hf_refuses_a_non_finite_scale(tmp_path, option, value):
+    r = invoke("bench", "--engine", "hf", "--trace", TRACE, "--policies", "lru", "--concurrency", 2, "--jobs", 1,
+               "--out", tmp_path / "o", f"{option}={value}")
+    assert r.exit_code == 2, r.output
+    assert f"{option}: must be a finite number >= 1, got {value}" in r.output
+
+
+@pytest.mark.parametrize("value, bound", [("99999999999999999999999", "less than or equal to 9223372036854775807"),
+                                          ("-1", "greater than or equal to 0")])
+def test_train_refuses_a_seed_outside_0_to_2_63_before_training(tmp_path, value, bound):
+    r = invoke("train", "--trace", TRACE, "-o", tmp_path / "p", f"--seed={value}")
+    assert r.exit_code == 2, r.output
+    assert "--seed" in r.output and bound in flat(r.output)
+    assert "Overflow" not in r.output and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("command", [["gen", "hover", "-o", "g.jsonl"], ["bench"], ["ablate"], ["predict-eval"],
+                                     ["simcheck"], ["trace", "split", str(TRACE), "--train-out", "a.jsonl", "--test-out", "b.jsonl"]])
+def test_every_seed_option_has_the_same_range(command):
+    r = invoke(*command, "--seed", 2 ** 64)
+    assert r.exit_code == 2 and "--seed" in r.output and "Overflow" not in r.output, r.output
+
+
+def test_the_largest_seed_trains(tmp_path):
+    r = invoke("train", "--trace", TRACE, "-o", tmp_path / "p", "--epochs", 1, "--seed", 2 ** 63 - 1)
+    assert r.exit_code == 0, r.output
