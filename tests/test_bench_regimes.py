@@ -31,10 +31,10 @@ def test_distinct_tokens_count_each_block_once_at_its_largest():
 def test_regimes_by_pressure_and_tiers():
     wl = tiny()
     got = regimes(wl, [0.5, 1.0], ["device", "device+host", "device+host+disk"])
+    # pressure 0.5 of 60 tokens is below the largest call (60): clamped up so the call can run,
+    # and reported as the pressure it is (1.0), which makes it the same regimes as 1.0's: run once
     assert [(r.pressure, r.tiers, r.device_tokens, r.host_tokens, r.disk_tokens) for r in got] == [
-        (0.5, "device", 60, 0, 0), (0.5, "device+host", 60, 120, 0), (0.5, "device+host+disk", 60, 120, 480),
         (1.0, "device", 60, 0, 0), (1.0, "device+host", 60, 120, 0), (1.0, "device+host+disk", 60, 120, 480)]
-    # pressure 0.5 of 60 tokens is below the largest call (60): clamped up so the call can run
     assert regimes(wl, [], []) == [Regime()]
     # explicit capacities win: --device-tokens over pressure, --host-tokens over the ratio
     assert regimes(wl, [0.5], ["device+host"], device_tokens=500, host_tokens=7) == [
@@ -60,9 +60,11 @@ def test_parsing_errors_are_clear():
 
 def test_sweep_jobs_cross_regimes_and_speedups_are_per_regime():
     cfg = SweepConfig(sources=[Source("hover", spec="hover", workflows=5)], policies=["lru", "arc"],
-                      concurrency=[2], pressures=[0.1, 0.2], tiers=["device"])
+                      concurrency=[2], pressures=[0.2, 0.3], tiers=["device"])
     jobs = sweep_jobs(cfg)
-    assert [(j[1], j[4].pressure) for j in jobs] == [("lru", 0.1), ("arc", 0.1), ("lru", 0.2), ("arc", 0.2)]
+    assert [(j[1], j[4].pressure) for j in jobs] == [("lru", 0.2), ("arc", 0.2), ("lru", 0.3), ("arc", 0.3)]
+    cfg.pressures = [0.01, 0.02]   # both below the largest call (0.1447 of the tokens here): one regime
+    assert [(j[1], j[4].pressure) for j in sweep_jobs(cfg)] == [("lru", 0.1447), ("arc", 0.1447)]
     base = {"workload": "w", "concurrency": 2, "tiers": "device", "mean_workflow_latency_s": 10.0,
             "mean_ttft_s": 1.0, "device_hit_rate": 0.5}
     recs = finish_records([{**base, "policy": "lru", "pressure": 0.1},

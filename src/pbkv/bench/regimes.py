@@ -83,11 +83,16 @@ def regimes(workload, pressures: list[float], tiers: list[str], device_tokens: i
         devices = [(None, device_tokens)]
     else:
         total, floor = distinct_prompt_tokens(workload), largest_call(workload)
-        devices = [(p, max(floor, int(p * total))) for p in pressures]
+        # a pressure clamped up to the largest call is reported as the one it really is (two
+        # clamped pressures are then one regime: run once)
+        devices = [(p, int(p * total)) if int(p * total) >= floor else (round(floor / total, 4), floor)
+                   for p in pressures]
     out = []
     for pressure, device in devices:
         for t in tiers or [None]:
-            out.append(_with_tiers(pressure, t, device, host_tokens, disk_tokens))
+            regime = _with_tiers(pressure, t, device, host_tokens, disk_tokens)
+            if regime not in out:
+                out.append(regime)
     return out
 
 
