@@ -226,6 +226,10 @@ def test_cli_import_and_export(tmp_path):
     r = runner.invoke(app, ["trace", "import", "--from", "bailian", str(DATA / "bad" / "bailian_dup.jsonl"),
                             "-o", str(tmp_path / "x.jsonl")])
     assert r.exit_code == 1 and re.search(r"bailian_dup.jsonl:2: field 'chat_id'", r.output.replace("\n", ""))
+    empty = tmp_path / "empty.jsonl"                  # metadata only: an export no import could read back
+    empty.write_text('{"pbkv_trace": 1, "block_size": 16}\n')
+    r = runner.invoke(app, ["trace", "export", "--to", "agentic-mooncake", str(empty), "-o", str(tmp_path / "f.jsonl")])
+    assert r.exit_code == 1 and "empty.jsonl: no calls to export" in r.output and not (tmp_path / "f.jsonl").exists()
 
 
 @settings(max_examples=150, deadline=None)

@@ -19,6 +19,7 @@ from pbkv.trace.formats import agentic, bailian, mooncake
 from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, read_rows
 from pbkv.trace.formats.blocks import Rechainer
 from pbkv.trace.io import TraceError, open_trace, read_trace, validate, write_trace
+from pbkv.trace.lines import display_name
 
 __all__ = ["FORMATS", "Edge", "ExportReport", "Format", "ImportReport", "Rechainer", "export_file",
            "import_file", "import_trace"]
@@ -94,5 +95,7 @@ def export_file(name: str, src: str | Path, dst: str | Path) -> ExportReport:
     """Read a pbkv trace and write it in format `name` (gzip when `dst` ends in `.gz`)."""
     fmt = _format(name, "write")
     trace = read_trace(src)
+    if not trace.calls:   # an empty file, which `import_file` would refuse to read back
+        raise TraceError(f"{display_name(Path(src))}: no calls to export")
     with replaced_on_success(dst) as tmp, open_trace(tmp, "w") as f:
         return fmt.write(trace, f)
