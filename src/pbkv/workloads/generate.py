@@ -41,7 +41,12 @@ from typing import Any, Iterator
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.workloads.expr import Expr, ExprError, show
 from pbkv.workloads.spec import END, START, VarSpec, WorkflowSpec
-from pbkv.workloads.spec_files import load_spec
+from pbkv.workloads.spec_files import SpecError, load_spec
+
+# The longest prompt a generated call may have. Prompts grow by every output and tool result they
+# show, so a spec within every per-count bound (spec.MAX_TOKENS) can still ask for prompts whose
+# ids (one per block, copied per call) outgrow memory; no model serves a prompt this long anyway.
+MAX_PROMPT_TOKENS = 1_000_000
 
 
 @dataclass
@@ -272,6 +277,9 @@ class _Generator:
                 st = streams[name] = _Stream(agent, spec.preamble)
                 self._extend(st, task_tokens)
             hash_ids = self._prompt(st, agent, history)
+            if st.tokens > MAX_PROMPT_TOKENS:
+                raise SpecError(f"{wf_id} step {step}: agent {name}'s prompt would hold {st.tokens:,} tokens, more "
+                                f"than {MAX_PROMPT_TOKENS:,}; lower the outputs, tool tokens or flow.max_steps")
             out = rng.randint(*agent.out)
             words = [w for w in turn_words.values() if w is not None]
             context = head + (f" | turn: {'; '.join(words)}" if words else "") + f" | agent: {name}"
