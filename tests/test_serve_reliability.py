@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 
 from serve_helpers import on_engine, start_server, torch_threads  # noqa: F401
 
+from pbkv.cache import Tier
 from pbkv.cli import app as cli_app
+from pbkv.policy.lru import LRUPolicy
 from pbkv.serve import ServeConfig
 from pbkv.serve.server import build_state
 
@@ -404,3 +406,45 @@ def test_a_client_gone_mid_body_is_no_server_error(srv):
         time.sleep(0.05)
     assert _count(srv, "499") >= 3 and _count(srv, "500") == before
     assert completion(srv).status_code == 200
+
+
+class BrokenPolicy(LRUPolicy):
+    """A policy whose prediction step raises from the third call end on (a bug, as the retrain
+    crash was): the server must go on ranking by LRU, not fail the calls in flight."""
+
+    name = "broken"
+    ends = 0
+
+    def priority(self, node):
+        return (0, node.last_access)
+
+    def on_call_end(self, event):
+        BrokenPolicy.ends += 1
+        if BrokenPolicy.ends >= 3:
+            raise IndexError("list index out of range")
+
+
+def test_a_policy_that_raises_is_replaced_by_lru_and_no_call_fails(torch_threads):  # noqa: F811
+    server = start_server(policy="test_serve_reliability:BrokenPolicy")
+    try:
+        answers = []
+
+        def ask(i):
+            r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": f"call {i} " + PROMPT, "max_tokens": 6, "ignore_eos": True,
+                "workflow_id": f"w{i % 3}", "agent": "a"})
+            answers.append(r.status_code)
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert answers == [200] * 8
+        metrics = httpx.get(server.url + "/metrics").text
+        assert "pbkv_policy_fallbacks_total 1.0" in metrics
+        engine = server.state.worker.engine
+        assert on_engine(server, lambda: (engine.policy.name, engine.cache.rules is engine.policy)) == ("lru", True)
+        assert on_engine(server, lambda: all(n.key == engine.policy.priority(n)
+                                             for n in engine.cache.candidates(Tier.DEVICE)))
+    finally:
+        server.stop()

@@ -133,6 +133,14 @@ class TieredCache:
             self.refresh(n)
         return node, added
 
+    def replace_rules(self, rules: EvictionRules) -> None:
+        """Rank by `rules` from now on: every candidate of every tier is keyed again."""
+        self.rules = rules
+        for index in self.index:
+            index.key = rules.priority
+            for node in index.peek_all():
+                index.push(node)
+
     def refresh(self, node: Node) -> None:
         """Re-rank `node` after anything its priority depends on changed."""
         index = self.index[node.tier]

@@ -26,13 +26,16 @@ them into objects would only route every access through a back-reference.
 from __future__ import annotations
 
 import heapq
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from pbkv.cache import Node, Tier, TieredCache
 from pbkv.engine.request import HIT_TIERS, SHARED, Request  # noqa: F401  (re-exported)
-from pbkv.policy import CallEvent, Policy
+from pbkv.policy import CallEvent, Policy, PolicyContext
+
+log = logging.getLogger(__name__)
 
 
 def tokens_by_tier(nodes: list[Node]) -> list[int]:
@@ -80,6 +83,7 @@ class EngineStats:
     prefetched_tokens: int = 0        # tokens the policy's prefetches moved up (host/disk -> device)
     policy_calls: int = 0             # policy hooks called (call and workflow events, prefetch offers)
     policy_seconds: float = 0.0       # wall time spent in those hooks (predictions included)
+    policy_fallbacks: int = 0         # policies replaced by `EngineBase.fallback` after a hook raised
 
 
 class EngineBase:
@@ -87,11 +91,19 @@ class EngineBase:
 
     Invariants: every policy hook runs through `_timed`; `_waiting` holds the submitted requests
     not yet admitted, in FCFS order; a request is told to the policy (`on_call_start`) once, when
-    it is submitted."""
+    it is submitted.
+
+    `fallback` (None: a hook's exception propagates, as a simulation or a test wants): a policy
+    factory (a server sets LRU). A hook that raises is logged, the policy is replaced for the
+    rest of the engine's life by a fresh `fallback(ctx)`, every node is re-ranked by it, and the hook
+    runs again on it: a bug in the predictions costs the cache's ranking, not the calls in flight."""
+
+    fallback: Callable[[PolicyContext], Policy] | None = None
 
     def __init__(self, cache: TieredCache, policy: Policy, stats: EngineStats, clock: Callable[[], float]):
         self.cache, self.tree, self.policy = cache, cache.tree, policy
         self._stats = stats
+        self._clock = clock
         self._events = EventQueue()
         self._waiting: list[Request] = []
         policy.bind(cache, clock)
@@ -128,12 +140,26 @@ class EngineBase:
         self._events.fire_due(lambda: self.now)
 
     def _timed(self, hook, *args):
-        """Call a policy hook, counting it and its wall time in the stats."""
+        """Call a policy hook, counting it and its wall time in the stats (a hook that raises:
+        see `fallback`)."""
         start = time.perf_counter()
-        out = hook(*args)
+        try:
+            out = hook(*args)
+        except Exception:
+            if self.fallback is None or getattr(hook, "__self__", None) is not self.policy:
+                raise
+            self._fall_back(hook.__name__)
+            out = getattr(self.policy, hook.__name__)(*args)
         self._stats.policy_calls += 1
         self._stats.policy_seconds += time.perf_counter() - start
         return out
+
+    def _fall_back(self, hook: str) -> None:
+        failed, self.policy = self.policy, self.fallback(PolicyContext(block_size=self.tree.block_size))
+        log.exception("the %s policy failed in %s; ranking by %s from now on", failed.name, hook, self.policy.name)
+        self.policy.bind(self.cache, self._clock)
+        self.cache.replace_rules(self.policy)
+        self._stats.policy_fallbacks += 1
 
     def _event(self, req: Request, node: Node | None) -> CallEvent:
         """The policy's view of `req` now; `hidden` is the model's hidden state once a real

@@ -65,6 +65,8 @@ def engine_snapshot(engine: HFEngine, in_flight: int, active_workflows: int,
                 + [({"tier": "shared"}, stats.loaded_tokens[SHARED])]),
         _one(CounterMetricFamily, "pbkv_prefetched_tokens_total", "Tokens the policy prefetched to the device.",
              stats.prefetched_tokens),
+        _one(CounterMetricFamily, "pbkv_policy_fallbacks_total", "Times a policy hook raised and the cache "
+             "policy was replaced by LRU (see the log).", stats.policy_fallbacks),
         _family(CounterMetricFamily, "pbkv_engine_seconds_total", "Seconds the engine spent, by phase.",
                 [({"phase": "prefill"}, stats.prefill_seconds), ({"phase": "decode"}, stats.decode_seconds),
                  ({"phase": "policy"}, stats.policy_seconds)]),

@@ -129,10 +129,14 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
     from pbkv.cache import RadixTree, TieredCache
     from pbkv.engine.hf import EngineOptions, HFEngine
 
+    from pbkv.policy.lru import LRUPolicy
+
     cache = TieredCache(RadixTree(cfg.cache.block_size), caps, policy)
-    return HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir, shared_dir=cfg.cache.shared_dir,
-                    shared_bytes=cfg.cache.shared_bytes,
-                    options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
+    engine = HFEngine(lm, cache, policy, disk_dir=cfg.cache.disk_dir, shared_dir=cfg.cache.shared_dir,
+                      shared_bytes=cfg.cache.shared_bytes,
+                      options=EngineOptions(max_running=cfg.max_running, eos_token_ids=frozenset(eos_ids)))
+    engine.fallback = LRUPolicy   # a policy bug must not fail the calls in flight (EngineBase.fallback)
+    return engine
 
 
 def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = None) -> None:
