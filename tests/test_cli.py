@@ -231,3 +231,12 @@ def test_bench_reads_a_trace_by_any_name_and_refuses_two_with_one_name(tmp_path)
 def test_bench_concurrency_needs_distinct_values(tmp_path, value, message):
     r = invoke("bench", "--workload", "finance", "--policies", "lru", "--concurrency", value, "--out", tmp_path)
     assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_bench_refuses_a_train_file_it_would_not_use(tmp_path):
+    trace = DATA / "chatdev-mini.jsonl"
+    assert invoke("train", "--trace", trace, "-o", tmp_path / "p", "--epochs", 1).exit_code == 0
+    r = invoke("bench", "--trace", trace, "--predictor", tmp_path / "p", "--train", trace, "--policies", "pbkv",
+               "--out", tmp_path / "o")
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--train: nothing would be trained on it; --predictor gives the fused" in said, r.output

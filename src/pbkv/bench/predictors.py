@@ -50,6 +50,9 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
     one job it runs here and `progress(step, steps)` follows its steps, else `progress(done, n)`
     counts finished trainings."""
     variants = variants_needed(policies)
+    if psrc.predictor and psrc.train and set(variants) <= {"fused"}:   # not silently ignored
+        raise ValueError("--train: nothing would be trained on it; --predictor gives the fused predictor, the "
+                         "only one the chosen policies need (--train trains the others, e.g. pbkv-history's)")
     if psrc.predictor and "fused" in variants:
         from pbkv.predict.predictor import load_predictor
         load_predictor(psrc.predictor)  # a broken --predictor fails now, not after the other policies' runs
