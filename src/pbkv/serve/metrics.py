@@ -47,6 +47,9 @@ class Metrics:
         self.workflows_ended = Counter(
             "pbkv_workflows_ended_total",
             "Workflow runs ended, by why: done, endpoint, idle, single (one call), shutdown.", ["reason"], registry=r)
+        self.record_errors = Counter(
+            "pbkv_record_errors_total", "Workflow runs --record could not write (disk full, folder gone: see "
+            "the log); serving goes on.", registry=r)
         self.latency = Histogram("pbkv_request_latency_seconds", "Time from a call's arrival to its last token.",
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.first_token = Histogram("pbkv_time_to_first_token_seconds",

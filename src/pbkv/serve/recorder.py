@@ -19,12 +19,15 @@ the server's `record_id`s, so two runs under one client id never collide in a fi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
 
 from pbkv.trace import Call, TraceMeta
 from pbkv.trace.io import call_to_dict, meta_to_dict
+
+log = logging.getLogger(__name__)
 
 
 class TraceRecorder:
@@ -42,19 +45,46 @@ class TraceRecorder:
         self._fh = None
         self._lock = threading.Lock()  # written from the engine thread, closed from the main one
 
-    def record(self, calls: list[Call]) -> None:
-        """Write one ended run (its calls, any order; written sorted by step)."""
+    def record(self, calls: list[Call]) -> bool:
+        """Write one ended run (its calls, any order; written sorted by step). False when it could
+        not be written (disk full, folder removed: logged); the file is then cut back to its last
+        whole run, or, if even that fails, closed and the next run starts a new file, so every
+        file stays a valid trace."""
         if not calls:
-            return
+            return True
         calls = sorted(calls, key=lambda c: c.step)
         calls[-1].done = True
+        text = "".join(json.dumps(call_to_dict(c), separators=(",", ":")) + "\n" for c in calls)
         with self._lock:
-            if self._fh is None or self._in_file >= self.rotate_calls:
-                self._open()
-            text = "".join(json.dumps(call_to_dict(c), separators=(",", ":")) + "\n" for c in calls)
-            _write_all(self._fh, text.encode("utf-8"))
+            try:
+                if self._fh is None or self._in_file >= self.rotate_calls:
+                    self._open()
+            except OSError as e:
+                self._fh = None
+                log.error("--record: cannot start a trace file in %s (%s); run %s not recorded",
+                          self.folder, e.strerror or e, calls[0].workflow_id)
+                return False
+            start = self._fh.tell()
+            try:
+                _write_all(self._fh, text.encode("utf-8"))
+            except OSError as e:
+                log.error("--record: cannot write run %s to %s (%s); not recorded",
+                          calls[0].workflow_id, self.files[-1], e.strerror or e)
+                self._cut_back(start)
+                return False
             self._in_file += len(calls)
             self.calls += len(calls)
+        return True
+
+    def _cut_back(self, size: int) -> None:
+        """Drop a partly written run (the file ends with its last whole run again); if the file
+        cannot be cut, leave it and write the next run to a new one."""
+        try:
+            os.ftruncate(self._fh.fileno(), size)
+            os.lseek(self._fh.fileno(), size, os.SEEK_SET)
+        except OSError:
+            self._fh.close()
+            self._fh = None
 
     def close(self) -> None:
         with self._lock:
@@ -65,12 +95,21 @@ class TraceRecorder:
     def _open(self) -> None:
         if self._fh is not None:
             self._fh.close()
+            self._fh = None
+        self.folder.mkdir(parents=True, exist_ok=True)   # removed while serving: made again
         path = self.folder / f"calls-{self.session}-{len(self.files):05d}.jsonl"
         self._fh = open(path, "wb", buffering=0)
+        self.files.append(path)
         meta = TraceMeta(block_size=self.block_size, source=f"pbkv serve ({self.model})",
                          notes="served calls; hash_ids are chained hashes of the prompt's token ids")
-        _write_all(self._fh, (json.dumps(meta_to_dict(meta), separators=(",", ":")) + "\n").encode("utf-8"))
-        self.files.append(path)
+        try:
+            _write_all(self._fh, (json.dumps(meta_to_dict(meta), separators=(",", ":")) + "\n").encode("utf-8"))
+        except OSError:
+            self._fh.close()
+            self._fh = None
+            path.unlink(missing_ok=True)   # a header cut short is no trace
+            self.files.pop()
+            raise
         self._in_file = 0
 
 

@@ -113,7 +113,10 @@ class EngineWorker:
             now = self.clock()
             if now >= next_reap:
                 next_reap = now + min(1.0, self.table.idle_timeout / 4)
-                self._reap(now)
+                try:
+                    self._reap(now)
+                except Exception:  # noqa: BLE001 - the engine thread must outlive a failed workflow end
+                    log.exception("ending idle workflows failed")
             if self.engine.busy:
                 try:
                     self._step()
@@ -275,8 +278,8 @@ class EngineWorker:
         self.engine.end_workflow(run.workflow)
         self.table.remove(run)
         self.metrics.workflows_ended.labels(reason=run.ending).inc()
-        if self.recorder is not None:
-            self.recorder.record(run.calls)
+        if self.recorder is not None and not self.recorder.record(run.calls):
+            self.metrics.record_errors.inc()   # logged by the recorder; the calls were served
 
     def _shutdown(self) -> None:
         for req in self.engine.requests:
