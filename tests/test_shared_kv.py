@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 
@@ -86,6 +87,63 @@ def test_the_byte_bound_evicts_least_recently_used(tmp_path):
     s.put(5, block(5))
     assert [h for h in (1, 2, 3, 4, 5) if s.contains(h)] == [1, 4, 5]
     assert s.total_bytes() <= s.max_bytes and s.stats.evicted_files == 2
+
+
+def test_eviction_never_touches_files_that_are_not_its_own(tmp_path):
+    clock = Clock()
+    for name, content in (("docs/thesis.tex", "mine"), ("ab/notes.txt", "mine too"), ("README", "top")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(content)
+        os.utime(tmp_path / name, (1.0, 1.0))              # older than any KV file
+    (tmp_path / "ab" / "nested").mkdir()                    # a folder in a key folder: never unlinked
+    probe = SharedKVDir(tmp_path / "probe", MODEL, 10**9)
+    probe.put(0, block(0))
+    size = probe.path(0).stat().st_size
+    s = SharedKVDir(tmp_path, MODEL, int(2.5 * size), clock=clock)
+    for h in range(1, 6):
+        clock.t += 1
+        s.put(h, block(h))
+    assert [h for h in range(1, 6) if s.contains(h)] == [4, 5]    # the bound holds, by its own files only
+    for name in ("docs/thesis.tex", "ab/notes.txt", "README"):
+        assert (tmp_path / name).exists(), name
+    assert (tmp_path / "ab" / "nested").is_dir() and s.total_bytes() == 2 * size
+
+
+def test_a_reader_without_write_access_reads_and_misses_but_never_raises_else(tmp_path, monkeypatch):
+    from pathlib import Path
+    s = SharedKVDir(tmp_path, MODEL, 10**9)
+    s.put(1, block(1))
+    s.put(2, block(2))
+    s.path(2).write_bytes(s.path(2).read_bytes()[:100])
+
+    def denied(*args, **kwargs):   # another user's files in a folder this reader may not write
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(os, "utime", denied)
+    monkeypatch.setattr(Path, "unlink", denied)
+    assert torch.equal(s.get(1), block(1))                 # its mtime could not be touched: still a hit
+    with pytest.raises(CorruptKV):                         # a bad file it cannot remove: a miss to the engine
+        s.get(2)
+    assert s.evict() == 0
+
+
+def test_a_file_whose_tensor_is_not_the_recorded_shape_is_refused(tmp_path):
+    from safetensors.torch import load_file, safe_open, save_file
+    s = SharedKVDir(tmp_path, MODEL, 10**9)
+    s.put(1, block(1))
+    with safe_open(str(s.path(1)), "pt") as f:
+        meta = f.metadata()
+    kv = load_file(str(s.path(1)))["kv"].reshape(-1)      # same bytes and checksum, another shape
+    save_file({"kv": kv}, str(s.path(1)), metadata=meta)
+    with pytest.raises(CorruptKV, match="not the one recorded"):
+        s.get(1)
+
+
+def test_the_bound_and_the_folder_are_checked(tmp_path):
+    for bad in (0, 0.5, True, -5):
+        with pytest.raises(ValueError, match="max_bytes must be a positive integer"):
+            SharedKVDir(tmp_path, MODEL, bad)
+    with pytest.raises(ValueError, match="empty path"):
+        SharedKVDir("", MODEL, 10**9)
 
 
 def test_stale_temp_files_are_cleaned(tmp_path):

@@ -13,7 +13,11 @@ Invariants:
   model, and its tensor hashes to the sha256 in its metadata; otherwise `CorruptKV` is raised
   and the file is removed (it would fail every reader);
 - `evict` keeps the directory's KV files within `max_bytes`, removing the least recently used
-  first (reads touch a file's mtime), and removes temp files left by crashed writers.
+  first (reads touch a file's mtime), and removes temp files left by crashed writers; it only
+  ever counts and removes its own names (`KEY_DIR/KEY_FILE`, `.tmp-*` in them): a directory
+  that also holds other files (a user's) keeps them;
+- reading needs read access only: touching a file's mtime and removing a corrupt file are
+  best effort (a replica may read a directory another user's replicas write).
 Time comes from the injected `clock` (seconds since the epoch, as file mtimes are).
 """
 
@@ -23,6 +27,7 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +41,8 @@ from pbkv.engine.kvfile import CorruptKV, load_kv, tensor_sha256
 
 FORMAT = "pbkv-shared-kv"
 SUFFIX = ".safetensors"
+KEY_DIR = re.compile(r"[0-9a-f]{2}")                  # the first two hex digits of a key
+KEY_FILE = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
 STALE_TEMP_S = 600.0   # a temp file this old belongs to a writer that died
 
 
@@ -61,8 +68,10 @@ class SharedKVDir:
 
     def __init__(self, directory: str | Path, model_id: str, max_bytes: int,
                  clock: Callable[[], float] = time.time):
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
+        if not str(directory):
+            raise ValueError("the shared KV directory is an empty path; give a folder")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.model_id, self.max_bytes, self.clock = model_id, max_bytes, clock
@@ -125,12 +134,14 @@ class SharedKVDir:
             if meta.get("format") != FORMAT or meta.get("key") != self.key(block_hash) \
                     or meta.get("model") != self.model_id or tensor_sha256(data) != meta.get("sha256"):
                 raise CorruptKV(f"{path.name}: checksum mismatch")
+            if meta.get("shape") != json.dumps(list(data.shape)):
+                raise CorruptKV(f"{path.name}: shape {list(data.shape)} is not the one recorded")
         except CorruptKV as e:
             if "file missing" in str(e):   # evicted by another process between the check and the read
                 self.stats.misses += 1
                 return None
             self.stats.corrupt += 1
-            path.unlink(missing_ok=True)
+            _remove(path)   # it would fail every reader; a reader without write access leaves it
             raise
         self._touch(path)
         self.stats.hits += 1
@@ -152,16 +163,19 @@ class SharedKVDir:
         self._unscanned = 0
         files, total, now = [], 0, self.clock()
         for sub in self.directory.iterdir():
-            if not sub.is_dir():
-                continue
+            if not (KEY_DIR.fullmatch(sub.name) and sub.is_dir()):
+                continue   # not one of ours: never counted, never removed
             for entry in os.scandir(sub):
+                temp = entry.name.startswith(".tmp-")
+                if not (temp or KEY_FILE.fullmatch(entry.name)) or not entry.is_file(follow_symlinks=False):
+                    continue
                 try:
                     st = entry.stat()
                 except FileNotFoundError:
                     continue   # another process removed it
-                if entry.name.startswith(".tmp-"):
+                if temp:
                     if now - st.st_mtime > STALE_TEMP_S:
-                        Path(entry.path).unlink(missing_ok=True)
+                        _remove(Path(entry.path))
                     continue
                 files.append((st.st_mtime, entry.name, entry.path, st.st_size))
                 total += st.st_size
@@ -169,9 +183,9 @@ class SharedKVDir:
         for _, _, path, size in sorted(files):
             if total <= self.max_bytes:
                 break
-            Path(path).unlink(missing_ok=True)
-            total -= size
-            removed += 1
+            if _remove(Path(path)):
+                total -= size
+                removed += 1
         self.stats.evicted_files += removed
         return removed
 
@@ -180,8 +194,19 @@ class SharedKVDir:
         now = self.clock()
         try:
             os.utime(path, (now, now))
-        except FileNotFoundError:
-            pass   # evicted by another process meanwhile
+        except OSError:
+            pass   # evicted by another process meanwhile, or another user's file: recency is a hint
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.directory.glob(f"*/*{SUFFIX}"))
+        """Bytes of the KV files (`KEY_DIR/KEY_FILE`) the directory holds."""
+        return sum(p.stat().st_size for p in self.directory.glob(f"*/*{SUFFIX}")
+                   if KEY_DIR.fullmatch(p.parent.name) and KEY_FILE.fullmatch(p.name))
+
+
+def _remove(path: Path) -> bool:
+    """Unlink `path` if this process may; False when it may not (or it is gone)."""
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
