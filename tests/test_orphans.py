@@ -68,3 +68,35 @@ def test_stale_kv_folders_of_dead_owners_are_removed_at_start(tmp_path, monkeypa
     assert not stale.exists() and live.exists() and legacy.exists()
     assert store.directory.parent == tmp_path and store.directory.name.startswith(f"pbkv-kv-{os.getpid()}-")
     assert remove_stale(tmp_path, STALE_KV_DIR) == []
+
+
+def test_two_stores_on_one_disk_dir_keep_apart_and_leave_nothing(tmp_path):
+    import torch
+
+    from pbkv.engine.hf.kvstore import KVStore
+    from pbkv.engine.hf.transfer import Worker
+    a, b = (KVStore(torch.device("cpu"), Worker(), tmp_path) for _ in range(2))
+    assert a.directory != b.directory and {a.directory.parent, b.directory.parent} == {tmp_path}
+    (tmp_path / "mine.txt").write_text("a user's file")
+    a.close()
+    assert not a.directory.exists() and b.directory.exists()
+    b.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+def test_a_full_disk_is_a_write_error_not_a_disk_hit(tmp_path, monkeypatch):
+    import torch
+    from safetensors import SafetensorError
+
+    from pbkv.engine.hf import kvstore
+    from pbkv.engine.hf.disk import DiskFile
+    from pbkv.engine.hf.transfer import Worker
+
+    def full(f):   # what safetensors raises when the disk fills: not an OSError
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+    monkeypatch.setattr(kvstore, "write_file", full)
+    store = kvstore.KVStore(torch.device("cpu"), Worker(), tmp_path)
+    f = DiskFile(store.directory / "kv-0.safetensors", 4, data=torch.zeros(1, 1, 1, 4, 2))
+    store._write(f)
+    assert store.stats.write_errors == 1 and f.error and f.data is None   # lost, never served from RAM
+    store.close()

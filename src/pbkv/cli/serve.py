@@ -35,7 +35,8 @@ def serve(
     host_tokens: HostTokensOpt = None,
     disk_tokens: DiskTokensOpt = None,
     disk_dir: Annotated[Optional[Path], typer.Option(
-        help="Folder for disk-tier KV files (default: a temporary folder).", callback=output_folder)] = None,
+        help="Folder for disk-tier KV files: the server writes them in a subfolder of its own there, removed at "
+             "shutdown (default: the system temp folder).", callback=output_folder)] = None,
     shared_dir: Annotated[Optional[Path], typer.Option(help="Folder of KV blocks shared with other pbkv servers of the same "
                                                "model (read after the local tiers, written after each prefill; "
                                                "default: none).", callback=output_folder)] = None,

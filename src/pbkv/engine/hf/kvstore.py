@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+
 from pbkv.cache import Node, Tier
 from pbkv.engine.hf.disk import CorruptKV, DiskFile, read_file, tensor_sha256, write_file  # noqa: F401
 from pbkv.stale import remove_stale
@@ -62,13 +64,16 @@ class KVStore:
         self.device = device
         self.worker = worker
         self.pin = device.type == "cuda"
-        self._own_dir = directory is None
-        if directory is None:  # folders of killed owners (kill -9 runs no finalizer) go first
-            remove_stale(tempfile.gettempdir(), STALE_KV_DIR)
-        self.directory = Path(directory or tempfile.mkdtemp(prefix=f"pbkv-kv-{os.getpid()}-"))
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if self._own_dir:  # removed with the store even when nobody calls close()
-            weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+        # The store's files go in a folder of its own, in `directory` (the user's --disk-dir) or
+        # the temp folder: two engines given one --disk-dir never overwrite each other's files,
+        # and the folder goes with the store (nothing reads disk KV after a restart: the tree
+        # that indexes it lived in memory). Folders of killed owners (kill -9 runs no finalizer)
+        # go first.
+        parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
+        parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(parent, STALE_KV_DIR)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"pbkv-kv-{os.getpid()}-", dir=parent))
+        weakref.finalize(self, shutil.rmtree, str(self.directory), True)   # even without close()
         self.staged: dict[int, torch.Tensor] = {}
         self.stats = StoreStats()
         self._names = itertools.count()
@@ -130,10 +135,9 @@ class KVStore:
         return out
 
     def close(self) -> None:
-        """Finish pending writes; delete the directory if the store made it."""
+        """Finish pending writes; delete the store's folder."""
         self.worker.close()
-        if self._own_dir:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def check(self, tree) -> None:
         """Assert the module invariant over every live node, and that no file is orphaned
@@ -221,7 +225,7 @@ class KVStore:
         try:
             self.stats.bytes_written += write_file(f)
             self.stats.files_written += 1
-        except (OSError, RuntimeError) as e:
+        except (OSError, RuntimeError, SafetensorError) as e:   # safetensors' own error: not an OSError
             f.error = str(e)
             self.stats.write_errors += 1
         f.data = None  # readers now go to the file (or fail on f.error)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from pbkv.engine.hf.model import cache_to_kv
 from pbkv.engine.hf.tokens import block_hashes
@@ -111,7 +112,7 @@ class SharedTier:
         for i, key in enumerate(keys):
             try:
                 written += self.dir.put(key, kv[:, :, :, i * bs:(i + 1) * bs])
-            except (OSError, RuntimeError, ValueError):
+            except (OSError, RuntimeError, ValueError, SafetensorError):   # a full disk: SafetensorError
                 self.counters.write_errors += 1
         self.counters.blocks_written += written
         return written
