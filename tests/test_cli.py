@@ -226,11 +226,18 @@ def test_bench_reads_a_trace_by_any_name_and_refuses_two_with_one_name(tmp_path)
     assert r.exit_code == 2 and "hover given twice" in r.output
 
 
-@pytest.mark.parametrize("value, message", [(",", "expected positive integers or 'open', comma-separated, got ','"),
-                                            ("4,4", "--concurrency: 4 given twice")])
-def test_bench_concurrency_needs_distinct_values(tmp_path, value, message):
-    r = invoke("bench", "--workload", "finance", "--policies", "lru", "--concurrency", value, "--out", tmp_path)
-    assert r.exit_code == 2 and message in r.output, r.output
+@pytest.mark.parametrize("args, message", [
+    (("--concurrency", ","), "expected positive integers or 'open', comma-separated, got ','"),
+    (("--concurrency", "4,4"), "--concurrency: 4 given twice"),
+    (("--policies", "lru,kvflow,lru"), "--policies: lru given twice"),
+    (("--instances", "2,2"), "--instances: 2 given twice"),
+    (("--instances", "2", "--router", "pbkv,round-robin,pbkv"), "--router: pbkv given twice"),
+    (("--instances", "2", "--router", "pbkv", "--shared-tokens", "15"),
+     "--shared-tokens 15 holds not one block of 16 tokens")])
+def test_bench_options_need_distinct_values(tmp_path, args, message):
+    r = invoke("bench", "--workload", "finance", "--workflows", 3, "--out", tmp_path,
+               *(("--policies", "lru") if "--policies" not in args else ()), *args)
+    assert r.exit_code == 2 and message in " ".join(r.output.split()), r.output
 
 
 def test_bench_refuses_a_train_file_it_would_not_use(tmp_path):

@@ -72,6 +72,10 @@ def check_routers(args: BenchArgs) -> None:
         raise ValueError(f"--shared-tokens must be >= 0, got {args.shared_tokens}")
     if args.shared_tokens and args.router_runs() == [(1, None)]:
         raise ValueError("--shared-tokens needs --instances or --router (a shared tier of one instance is its disk)")
+    block = max(load_workload(s).trace.block_size for s in args.sources)
+    if 0 < args.shared_tokens < block:  # it would hold nothing, yet its record showed bytes written to it
+        raise ValueError(f"--shared-tokens {args.shared_tokens} holds not one block of {block} tokens; give at "
+                         f"least {block}, or 0 for no shared tier")
 
 
 def run(args: BenchArgs, console: Console) -> list[dict]:

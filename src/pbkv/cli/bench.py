@@ -11,7 +11,7 @@ from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, Hor
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
                              PredictorOpt, ProfileOpt, RouterOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
                              WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, check_outputs, concurrency_list,
-                             console, exit_on_error, fail, split, strs)
+                             console, distinct, exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
 EngineOpt = Annotated[str, typer.Option(
@@ -91,11 +91,11 @@ def bench(
     check_exist(*(trace or []), *(train or []), predictor)
     check_outputs([*(trace or []), *(train or [])], {"--json": json_path} if json_path else {"--out": out / "bench.json"})
     run_bench(BenchArgs(
-        sources=sources(workload, trace, workflows, seed), policies=split(policies),
+        sources=sources(workload, trace, workflows, seed), policies=distinct("--policies", split(policies)),
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
-        instances=instance_list(instances), routers=split(router) if router else [], link=link, shared_tokens=shared_tokens,
+        instances=instance_list(instances), routers=distinct("--router", split(router)) if router else [], link=link, shared_tokens=shared_tokens,
         shared_link=shared_link, samples=samples,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
                                   horizon=horizon or 3), **regime_args(pressure, tiers)), debug)
@@ -106,7 +106,7 @@ def instance_list(value: str) -> list[int]:
     out = [int(v) for v in split(value) if v.isdigit() and int(v) > 0]
     if not out or len(out) != len(split(value)):
         fail(f"--instances: expected positive integers, comma-separated, got {value!r}")
-    return out
+    return distinct("--instances", out)
 
 
 def regime_args(pressure: str, tiers: str) -> dict:

@@ -175,6 +175,15 @@ def split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def distinct(option: str, values: list) -> list:
+    """`values` of a comma-separated option, each once (exit 2 naming the repeated one: it would
+    run twice and print its rows twice)."""
+    for i, v in enumerate(values):
+        if v in values[:i]:
+            fail(f"{option}: {v} given twice")
+    return values
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print `error: message` (taken literally, not as rich markup) and exit with `code`:
     2 for a bad command line or setup, 1 for bad input data (a malformed trace)."""
