@@ -231,6 +231,7 @@ def test_bench_reads_a_trace_by_any_name_and_refuses_two_with_one_name(tmp_path)
     (("--concurrency", "4,4"), "--concurrency: 4 given twice"),
     (("--policies", "lru,kvflow,lru"), "--policies: lru given twice"),
     (("--instances", "2,2"), "--instances: 2 given twice"),
+    (("--instances", "99999999999999999999"), "--instances: at most 1024 instances"),
     (("--instances", "2", "--router", "pbkv,round-robin,pbkv"), "--router: pbkv given twice"),
     (("--instances", "2", "--router", "pbkv", "--shared-tokens", "15"),
      "--shared-tokens 15 holds not one block of 16 tokens")])

@@ -14,6 +14,7 @@ from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, Hor
                              console, distinct, exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
+MAX_INSTANCES = 1024
 EngineOpt = Annotated[str, typer.Option(
     help="Engine: 'sim' (the discrete-event simulator), 'hf' (a real transformers model, wall-clock time) or "
          "'vllm' (a real vLLM alone (policy 'vllm') and with pbkv's connector per policy; docs/vllm.md).")]
@@ -106,6 +107,8 @@ def instance_list(value: str) -> list[int]:
     out = [int(v) for v in split(value) if v.isdigit() and int(v) > 0]
     if not out or len(out) != len(split(value)):
         fail(f"--instances: expected positive integers, comma-separated, got {value!r}")
+    if max(out) > MAX_INSTANCES:  # each is a simulator with its own cache; a router weighs all per call
+        fail(f"--instances: at most {MAX_INSTANCES} instances, got {max(out)}")
     return distinct("--instances", out)
 
 
