@@ -15,6 +15,7 @@ from pbkv.cli import app
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import needed_predictor
 from pbkv.predict.markov import fit_markov_seqs
+from pbkv.route import BadDecision, RouteDecision
 from pbkv.route.round_robin import RoundRobinRouter
 from pbkv.scale.links import Link, get_link
 
@@ -143,3 +144,67 @@ def test_the_router_hears_the_instances_predicted_reuse():
     later = [p for _, p in SEEN if p is not None]
     assert len(later) == len(SEEN) - len(first)          # every later call got a prediction
     assert all(0.0 <= p <= 1.0 for p in later) and min(later) < 1.0
+
+
+class MinusOne(RoundRobinRouter):
+    """Out-of-tree routers that break `RouteDecision`'s invariants (loaded as `test_cluster:...`)."""
+
+    def choose(self, request, replicas):
+        return RouteDecision("-1")
+
+
+class OutOfRange(RoundRobinRouter):
+    def choose(self, request, replicas):
+        return RouteDecision(str(len(replicas) + 3))
+
+
+class SelfFetch(RoundRobinRouter):
+    def choose(self, request, replicas):
+        return RouteDecision(replicas[0].id, fetch_from=replicas[0].id, fetch_tokens=16)
+
+
+class NegativeFetch(RoundRobinRouter):
+    def choose(self, request, replicas):
+        return RouteDecision(replicas[0].id, fetch_from=replicas[-1].id, fetch_tokens=-10**6)
+
+
+class HugeFetch(RoundRobinRouter):
+    def choose(self, request, replicas):
+        return RouteDecision(replicas[0].id, fetch_from=replicas[-1].id, fetch_tokens=request.input_tokens + 1)
+
+
+class FetchFromNowhere(RoundRobinRouter):
+    """Well-formed, but asks instance 1 (never given a call, so it holds nothing) for the prompt."""
+
+    def choose(self, request, replicas):
+        return RouteDecision(replicas[0].id, fetch_from=replicas[-1].id, fetch_tokens=request.input_tokens)
+
+
+@pytest.mark.parametrize("router, message", [
+    ("MinusOne", r"replica '-1' is not one of the replicas it was given \('0', '1'\)"),
+    ("OutOfRange", r"replica '5' is not one of the replicas it was given"),
+    ("SelfFetch", r"fetch_from '0' is the chosen replica itself"),
+    ("NegativeFetch", r"fetch_tokens -1000000 is not an int in \[0, \d+\]"),
+    ("HugeFetch", r"fetch_tokens \d+ is not an int in \[0, \d+\]"),
+])
+@pytest.mark.parametrize("shared", [0, 10**6])
+def test_the_cluster_refuses_a_bad_decision_naming_the_router(router, message, shared):
+    with pytest.raises(BadDecision, match=rf"^router test_cluster:{router}: {message}"):
+        simulate_cluster(load_workload(WL), cfg(), 2, f"test_cluster:{router}", get_link("pcie4"),
+                         shared_tokens=shared)
+
+
+def test_a_router_cannot_fetch_kv_the_source_does_not_hold():
+    r = simulate_cluster(load_workload(WL), cfg(), 2, "test_cluster:FetchFromNowhere", get_link("pcie4"))
+    assert (r["kv_fetches"], r["bytes_moved_between_instances"]) == (0, 0.0)
+
+
+def test_bench_cli_reports_bad_routers_as_usage_errors(tmp_path):
+    base = ["bench", "--workload", "hover", "--workflows", "4", "--concurrency", "2", "--policies", "lru",
+            "--instances", "2", "--jobs", "1", "--out", str(tmp_path), "--router"]
+    for router, message in [("test_cluster:MinusOne", "router test_cluster:MinusOne: replica '-1' is not one"),
+                            ("pbkv.route.base:Router", "pbkv.route.base:Router is abstract"),
+                            (".foo:Bar", "'.foo:Bar' is not 'package.module:Class'"),
+                            (":", "':' is not 'package.module:Class'")]:
+        r = CliRunner().invoke(app, base + [router])
+        assert r.exit_code == 2 and message in " ".join(r.output.split()), (router, r.output)

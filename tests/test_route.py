@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pbkv.route import (NoReplicas, ReplicaSnapshot, RouteRequest, RouterConfig, UnknownRouter, make_router,
-                        router_class, router_names)
-from pbkv.route.base import Router
+from pbkv.route import (BadDecision, NoReplicas, ReplicaSnapshot, RouteDecision, RouteRequest, RouterConfig,
+                        UnknownRouter, check_decision, make_router, router_class, router_names)
+from pbkv.route.base import Router, reuse_hint, router_label
+from pbkv.route.round_robin import RoundRobinRouter
 
 CFG = RouterConfig(prefill_s_per_token=1e-3, transfer_s_per_token=1e-4, transfer_latency_s=0.01,
                    queue_s_per_request=0.5, load_penalty_tokens=100, block_size=16)
@@ -164,6 +168,7 @@ def test_every_router_keeps_the_decision_invariants(specs, prompt, p):
             assert d.fetch_from != d.replica and d.fetch_tokens > 0
             assert src.cached_prefix_tokens(r.hash_ids) > dst.cached_prefix_tokens(r.hash_ids)
         assert router.choose(r, views).replica in ids
+        check_decision(router, d, r, views)   # what the simulator's cluster checks
 
 
 def test_ties_spread_new_workflows_to_the_replica_holding_fewer():
@@ -187,3 +192,101 @@ def test_pbkv_weighs_waiting_requests_not_running_ones_when_the_view_tells_them_
     assert make_router("pbkv", CFG).choose(req(), [view("a", 0), busy_home]).replica == "b"
     busy_home.queued = 6
     assert make_router("pbkv", CFG).choose(req(), [view("a", 0), busy_home]).replica == "a"
+
+
+class NeedsTwo(RoundRobinRouter):
+    """Cannot be built from a config alone (loaded as `test_route:NeedsTwo`)."""
+
+    def __init__(self, config, extra):
+        super().__init__(config)
+
+
+class HalfDone(Router):
+    """Leaves `choose` abstract."""
+
+
+@pytest.mark.parametrize("name", [".foo:Bar", ":", "a:b:c", "pbkv.route.sticky:", ":StickyRouter",
+                                  "pbkv..route:X", "pbkv.route.sticky:Sticky Router", "1mod:X"])
+def test_registry_refuses_odd_class_paths(name):
+    with pytest.raises(UnknownRouter, match=rf"router {name!r}: .* is not 'package.module:Class'"):
+        router_class(name)
+
+
+def test_registry_refuses_classes_it_cannot_build():
+    with pytest.raises(UnknownRouter, match=r"router 'pbkv.route.base:Router': pbkv.route.base:Router is abstract "
+                                            r"\(does not implement choose\)"):
+        router_class("pbkv.route.base:Router")
+    with pytest.raises(UnknownRouter, match="test_route:HalfDone is abstract"):
+        make_router("test_route:HalfDone")
+    with pytest.raises(UnknownRouter, match=r"router 'test_route:NeedsTwo': test_route:NeedsTwo\(config, extra\) "
+                                            r"cannot be built from a RouterConfig alone"):
+        router_class("test_route:NeedsTwo")
+    with pytest.raises(UnknownRouter, match="router name must be a string, got None"):
+        router_class(None)
+    assert isinstance(make_router("test_route:SpyLabel"), RoundRobinRouter)   # a well-formed one still loads
+
+
+class SpyLabel(RoundRobinRouter):
+    """Inherits round-robin's `name`: errors must not call it round-robin."""
+
+
+def test_router_label_names_the_class_unless_it_names_itself():
+    assert router_label(make_router("pbkv")) == "pbkv"
+    assert router_label(SpyLabel()) == "test_route:SpyLabel"
+
+    class Named(SpyLabel):
+        name = "mine"
+    assert router_label(Named()) == "mine"
+
+
+def bad(replica="a", **kw):
+    return RouteDecision(replica, **kw)
+
+
+@pytest.mark.parametrize("decision, message", [
+    (None, "choose returned None, not a RouteDecision"),
+    (bad("-1"), r"replica '-1' is not one of the replicas it was given \('a', 'b'\)"),
+    (bad("c"), "replica 'c' is not one of the replicas it was given"),
+    (bad(0), "replica 0 is not one of the replicas"),
+    (bad(fetch_from="z", fetch_tokens=16), "fetch_from 'z' is not one of the replicas it was given"),
+    (bad(fetch_from="a", fetch_tokens=16), "fetch_from 'a' is the chosen replica itself"),
+    (bad(fetch_from="b", fetch_tokens=-16), r"fetch_tokens -16 is not an int in \[0, 80\]"),
+    (bad(fetch_from="b", fetch_tokens=81), r"fetch_tokens 81 is not an int in \[0, 80\]"),
+    (bad(fetch_from="b", fetch_tokens=16.0), r"fetch_tokens 16.0 is not an int"),
+    (bad(fetch_from="b", fetch_tokens=True), r"fetch_tokens True is not an int"),
+    (bad(fetch_tokens=16), "fetch_tokens 16 without fetch_from"),
+    (bad(warm="12"), "warm '12' is not a tuple of int block ids"),
+    (bad(warm=(1, None)), r"warm \(1, None\) is not a tuple of int block ids"),
+])
+def test_check_decision_names_the_router_the_field_and_the_value(decision, message):
+    with pytest.raises(BadDecision, match=r"^router test_route:SpyLabel: " + message):
+        check_decision(SpyLabel(), decision, req(), [view("a"), view("b")])
+
+
+def test_check_decision_accepts_every_well_formed_decision():
+    views = [view("a"), view("b")]
+    for d in (bad(), bad("b", fetch_from="a", fetch_tokens=80), bad(fetch_from="b", fetch_tokens=0),
+              bad(warm=[3, 4]), bad(warm=(7,))):
+        check_decision(make_router("pbkv"), d, req(), views)
+    assert issubclass(BadDecision, ValueError)   # the CLI reports it as a one-line error
+
+
+@pytest.mark.parametrize("hint", ["0.5", -1e9, 1e9, -0.01, 1.01, math.nan, math.inf, -math.inf, True, False,
+                                  None, [0.5], {"p": 0.5}])
+def test_a_reuse_hint_that_is_not_a_probability_counts_as_unknown(hint):
+    """Routing hints come from clients: whatever they send, the router decides as without it."""
+    cfg = RouterConfig(prefill_s_per_token=1e-3, transfer_s_per_token=1e-3, transfer_latency_s=0.01,
+                       queue_s_per_request=0.5)
+    views = [view("a", 0), view("b", 1, workflows={"w": 1000})]
+    unknown = make_router("pbkv", cfg).choose(req(), views)
+    assert req(reuse_probability=hint).reuse_probability is None
+    assert make_router("pbkv", cfg).choose(req(reuse_probability=hint), views) == unknown
+    sneaked = req()
+    object.__setattr__(sneaked, "reuse_probability", hint)   # a request built without the check
+    assert make_router("pbkv", cfg).choose(sneaked, views) == unknown
+
+
+def test_a_valid_reuse_hint_is_kept_as_given():
+    for p in (0, 0.0, 0.2, 1, 1.0, Fraction(1, 3)):
+        assert req(reuse_probability=p).reuse_probability is p
+        assert reuse_hint(p) is p

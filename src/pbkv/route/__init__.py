@@ -4,10 +4,10 @@
 returns a `RouteDecision`. See `pbkv.route.base` for the interface and its invariants.
 """
 
-from pbkv.route.base import (NoReplicas, ReplicaView, RouteDecision, Router, RouterConfig,
-                             RouteRequest)
+from pbkv.route.base import (BadDecision, NoReplicas, ReplicaView, RouteDecision, Router, RouterConfig,
+                             RouteRequest, check_decision)
 from pbkv.route.registry import UnknownRouter, make_router, register, router_class, router_names
 from pbkv.route.view import ReplicaSnapshot
 
-__all__ = ["NoReplicas", "ReplicaSnapshot", "ReplicaView", "RouteDecision", "RouteRequest", "Router",
-           "RouterConfig", "UnknownRouter", "make_router", "register", "router_class", "router_names"]
+__all__ = ["BadDecision", "NoReplicas", "ReplicaSnapshot", "ReplicaView", "RouteDecision", "RouteRequest", "Router",
+           "RouterConfig", "UnknownRouter", "check_decision", "make_router", "register", "router_class", "router_names"]

@@ -16,6 +16,7 @@ Invariants every router keeps:
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
@@ -23,6 +24,10 @@ from typing import Protocol, Sequence, runtime_checkable
 
 class NoReplicas(RuntimeError):
     """A router was asked to choose among zero replicas."""
+
+
+class BadDecision(ValueError):
+    """A router's `RouteDecision` broke the interface's invariants (see `check_decision`)."""
 
 
 @runtime_checkable
@@ -60,6 +65,19 @@ class RouteRequest:
     output_tokens: int = 0
     reuse_probability: float | None = None
     next_prefix: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        # a hint from a client must never make a router raise or mis-weigh: anything that is not
+        # a probability counts as unknown, so the replica's reported estimate can take its place
+        object.__setattr__(self, "reuse_probability", reuse_hint(self.reuse_probability))
+
+
+def reuse_hint(p) -> float | None:
+    """`p` when it is a real number in [0, 1], else None (unknown). Bools, strings, NaN, the
+    infinities and values outside [0, 1] are all unknown; valid values are returned unchanged."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        return None
+    return p if 0.0 <= p <= 1.0 else None    # NaN fails both comparisons
 
 
 @dataclass(frozen=True)
@@ -114,6 +132,45 @@ class Router(ABC):
 
     def on_workflow_end(self, workflow_id: str) -> None:
         pass
+
+
+def router_label(router: Router) -> str:
+    """How errors name a router: the `name` its own class sets, else `module:Class` (an
+    out-of-tree router that inherits `name` would otherwise pass for its base class)."""
+    cls = type(router)
+    own = cls.__dict__.get("name")
+    return own if isinstance(own, str) else f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_decision(router: Router, decision, request: RouteRequest, replicas: Sequence[ReplicaView]) -> None:
+    """Refuse a decision that breaks the invariants above, before anyone acts on it: `replica`
+    is the id of one of `replicas`; `fetch_from` is None or the id of another one; `fetch_tokens`
+    is an int in [0, the prompt's tokens] (0 with `fetch_from`: nothing moves), 0 without it;
+    `warm` is a tuple or list of int block ids. Raises `BadDecision` naming the router, the
+    field and the value. Every built-in router's decisions pass (tests/test_route.py)."""
+    who = f"router {router_label(router)}"
+    if not isinstance(decision, RouteDecision):
+        raise BadDecision(f"{who}: choose returned {decision!r}, not a RouteDecision")
+    ids = [v.id for v in replicas]
+    known = ", ".join(map(repr, ids[:8])) + (", ..." if len(ids) > 8 else "")
+    if decision.replica not in ids:
+        raise BadDecision(f"{who}: replica {decision.replica!r} is not one of the replicas it was given ({known})")
+    if decision.fetch_from is not None and decision.fetch_from not in ids:
+        raise BadDecision(f"{who}: fetch_from {decision.fetch_from!r} is not one of the replicas it was given ({known})")
+    if decision.fetch_from == decision.replica:
+        raise BadDecision(f"{who}: fetch_from {decision.fetch_from!r} is the chosen replica itself")
+    tokens = decision.fetch_tokens
+    if not _is_int(tokens) or not 0 <= tokens <= request.input_tokens:
+        raise BadDecision(f"{who}: fetch_tokens {tokens!r} is not an int in [0, {request.input_tokens}] "
+                          f"(the prompt's tokens)")
+    if tokens and decision.fetch_from is None:
+        raise BadDecision(f"{who}: fetch_tokens {tokens!r} without fetch_from (no replica to fetch from)")
+    if not isinstance(decision.warm, (tuple, list)) or not all(_is_int(h) for h in decision.warm):
+        raise BadDecision(f"{who}: warm {decision.warm!r} is not a tuple of int block ids")
 
 
 def require(replicas: Sequence[ReplicaView]) -> None:

@@ -11,10 +11,11 @@ For every replica r the router estimates, in seconds (costs from `RouterConfig`)
     strand(r)  = p * recompute_s(t) where t = the workflow's KV on its home replica (the one
                  holding most of it) that this call leaves behind when r is not that home, and
                  p = the predicted probability the workflow reads its KV again
-                 (`reuse_probability`, 1 when unknown). Stranded KV is charged as recomputed:
-                 later calls find it only if a router fetches it back, and meanwhile it takes
-                 space on both replicas (measured in the simulator: charging only a transfer
-                 made the router move workflows so often that it lost to `sticky`)
+                 (`reuse_probability`; 1 when unknown, and a hint that is not a real number in
+                 [0, 1] is unknown). Stranded KV is charged as recomputed: later calls find it
+                 only if a router fetches it back, and meanwhile it takes space on both replicas
+                 (measured in the simulator: charging only a transfer made the router move
+                 workflows so often that it lost to `sticky`)
 
 and picks the smallest queue + prefill + strand (ties: fewer workflows held, then earliest).
 A workflow whose KV is unlikely to be reused (p near 0) is placed by load and prefix alone; one
@@ -46,7 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pbkv.route.base import ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, home, require
+from pbkv.route.base import (ReplicaView, RouteDecision, RouteRequest, Router, argmin, cached, home, require,
+                             reuse_hint)
 
 
 NEW_WORKFLOW_SLACK = 1   # a new workflow may go to a replica holding this many more workflows than the fewest
@@ -93,7 +95,9 @@ class PBKVRouter(Router):
             + cfg.recompute_s(request.input_tokens - have - gain)
         if home is not None and view.id != home:
             left = max(0, home_tokens - (gain if source == home else 0))
-            p = 1.0 if request.reuse_probability is None else request.reuse_probability
+            # checked again here: a request built without RouteRequest's check must not raise either
+            p = reuse_hint(request.reuse_probability)
+            p = 1.0 if p is None else p
             seconds += p * cfg.recompute_s(left)
         return Estimate(seconds, source, gain, have + gain)
 

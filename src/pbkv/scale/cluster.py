@@ -3,6 +3,9 @@
 `Cluster` is an engine for `pbkv.driver.Replay` (same `now`/`at`/`start_workflow`/`submit`/
 `end_workflow`/`run`). Each instance is a `Simulator` with its own `TieredCache` and policy
 object; a `pbkv.route` router places every call, seeing each instance through `SimView`.
+Routers may be out-of-tree, so every decision is checked (`pbkv.route.base.check_decision`)
+before the cluster acts on it: a bad one raises `BadDecision`, a ValueError naming the router,
+the field and the value.
 
 Time: the cluster keeps the driver's events; instances keep their own. `run` always advances
 whichever is earliest: a due driver event, or one `step` of the instance whose clock is
@@ -32,6 +35,7 @@ from pbkv.engine.base import EventQueue
 from pbkv.engine.request import Request
 from pbkv.engine.simulator import Simulator
 from pbkv.route import RouteRequest, Router
+from pbkv.route.base import check_decision
 from pbkv.scale.links import Link
 
 
@@ -156,7 +160,9 @@ class Cluster:
                                output_tokens=call.output_length,
                                reuse_probability=self._reuse_probability(req.workflow))
         decision = self.router.choose(request, self.views)
-        k = int(decision.replica)
+        # routers may be out-of-tree (`package.module:Class`): act only on a well-formed decision
+        check_decision(self.router, decision, request, self.views)
+        k = int(decision.replica)   # view ids are str(instance index)
         engine = self.instances[k]
         engine.now = max(engine.now, self.now)
         self.stats.calls[k] += 1
@@ -167,7 +173,7 @@ class Cluster:
             self._started[req.workflow].add(k)
             engine.start_workflow(req.workflow, request.workflow_id)
         _, local = engine.tree.match(call.hash_ids)
-        peer = local + decision.fetch_tokens // engine.block_size if decision.fetch_from is not None else local
+        peer = self._peer_blocks(call, decision, local)
         shared = self._shared_blocks(call, local, peer)
         if shared > peer:
             self._fetch(k, list(call.hash_ids[:shared]), req, local, self.shared.link, shared=True)
@@ -226,6 +232,16 @@ class Cluster:
             self.stats.bytes_moved += nbytes
         arrival = self.now
         self.at(done, lambda: self._arrived(k, blocks, req, arrival))
+
+    def _peer_blocks(self, call, decision, local: int) -> int:
+        """Leading blocks the target holds once the router's peer fetch lands: `local` plus the
+        fetched tokens' whole blocks, never more than the source holds (a router cannot conjure
+        KV; built-in routers never ask for more) and never fewer than `local`."""
+        if decision.fetch_from is None:
+            return local
+        _, held = self.instances[int(decision.fetch_from)].tree.match(call.hash_ids)
+        wanted = local + decision.fetch_tokens // self.instances[0].block_size
+        return max(local, min(wanted, held))
 
     def _shared_blocks(self, call, local: int, peer: int) -> int:
         """Leading full blocks to read from the shared tier: its prefix when longer than what the

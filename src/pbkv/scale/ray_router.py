@@ -32,16 +32,19 @@ would be copied into every deployment, so the process-wide registry of routers (
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from pbkv.route import RouterConfig, make_router
+from pbkv.route import BadDecision, RouterConfig, check_decision, make_router
 from pbkv.scale.adapter import (Overlay, dict_args, hinted_call, hints_dict, mark_fetch, measured_config,
                                 pinned, register_router, with_reported_reuse)
 from pbkv.scale.llm_hints import TextChunks
+
+log = logging.getLogger(__name__)
 
 
 class PBKVRequestRouter(RequestRouter):
@@ -82,7 +85,13 @@ class PBKVRequestRouter(RequestRouter):
         if self.measured_costs:
             stats = (r.routing_stats for r in candidate_replicas)
             self.pbkv_router.config = measured_config(self.base_config, stats)
-        decision = self.pbkv_router.choose(with_reported_reuse(call.route, views), views)
+        request = with_reported_reuse(call.route, views)
+        decision = self.pbkv_router.choose(request, views)
+        try:
+            check_decision(self.pbkv_router, decision, request, views)
+        except BadDecision:  # an out-of-tree router's mistake: Ray's own order, not a lost call
+            log.exception("ignoring the router's decision")
+            return [candidate_replicas]
         # remember the choice now, not only once Ray has sent the call: calls that arrive together
         # are chosen before any is sent, and would all see the same views and pick the same replica
         self.overlay.routed(decision.replica, call.route)
