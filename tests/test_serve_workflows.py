@@ -117,7 +117,7 @@ def test_recorded_traces_are_valid_and_match_the_prompts(srv, client):
 
 
 def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path):  # noqa: F811
-    from pbkv.predict.predictor import NeuralPredictor
+    from pbkv.predict.predictor import NeuralPredictor, load_predictor
     model_dir = tmp_path / "predictor"
     srv = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
     try:
@@ -138,6 +138,16 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
         assert {"router", "coder"} <= set(setup.policy.predictor.agents)
     finally:
         again.stop()
+    short = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
+    try:   # a short session's retrain knows only its own agents: it must not replace the 12-workflow one
+        client = openai.OpenAI(base_url=short.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for w in range(5):
+            for i in range(2):
+                ask(client, f"chat {w} {i}", workflow_id=f"C{w}", agent="chat", workflow_done=i == 1)
+    finally:
+        short.stop()
+    kept = load_predictor(model_dir)
+    assert {"router", "coder"} <= set(kept.agents) and kept.info["workflows"] == 12
 
 
 def test_a_workflow_id_with_a_slash_can_be_ended(srv, client):

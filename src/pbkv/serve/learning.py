@@ -45,6 +45,7 @@ class PolicySetup:
     variant: str | None
     predictor_dir: Path | None
     loaded: bool
+    loaded_workflows: int = 0   # what the predictor loaded from predictor_dir was trained on
 
 
 class TrafficLearner(OnlineLearner):
@@ -194,7 +195,8 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
                                  target_steps=learn_steps)
         learner.nice = learn_nice
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
-    return PolicySetup(policy, learner, variant, predictor_dir, loaded)
+    trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
+    return PolicySetup(policy, learner, variant, predictor_dir, loaded, trained_on)
 
 
 def finish_learning(setup: PolicySetup) -> Path | None:
@@ -211,6 +213,12 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     predictor = getattr(policy, "predictor", None)
     if not isinstance(predictor, NeuralPredictor):
         log.info("no trained predictor to save to %s (too few workflows ended)", setup.predictor_dir)
+        return None
+    if setup.loaded_workflows > predictor.info.get("workflows", 0):
+        # retrains learn from this session's traffic alone: a short session must not replace a
+        # predictor trained on more (it forgot every agent the session did not call)
+        log.info("kept the predictor in %s (trained on %d workflows; this session's on %d)", setup.predictor_dir,
+                 setup.loaded_workflows, predictor.info.get("workflows", 0))
         return None
     return save_atomic(predictor, setup.predictor_dir)
 
