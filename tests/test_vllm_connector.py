@@ -48,6 +48,21 @@ def test_is_a_vllm_connector_with_the_documented_config():
     assert cfg.kv_connector_module_path == "pbkv.integrations.vllm.connector"
 
 
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_a_bad_extra_config_is_refused_at_start_in_every_role(role):
+    """The checks of `pbkv.integrations.vllm.config` (tested in full in tests/test_vllm_config.py)."""
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.steer_gpu='false'"):
+        make(role, steer_gpu="false")
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.host_token \(did you mean 'host_tokens'"):
+        make(role, host_token=5)
+
+
+def test_steer_gpu_false_binds_no_steer():
+    c = make(KVConnectorRole.SCHEDULER, steer_gpu=False)
+    c.bind_gpu_block_pool(object())
+    assert c._pool is None and c.config.steer_gpu is False
+
+
 def test_scheduler_saves_then_offers_the_prefix():
     c = make(KVConnectorRole.SCHEDULER, host_tokens=1024)
     r = request("a", 3)

@@ -25,7 +25,7 @@ def test_hints_parse_and_defaults():
     h = parse_hints({"workflow_id": "t1", "agent": "planner"})
     assert (h.workflow_id, h.agent, h.done) == ("t1", "planner", False)
     assert parse_hints({"workflow_id": 7, "workflow_done": True}).done
-    assert parse_hints({"workflow_id": "", "agent": 3}).agent == DEFAULT_AGENT   # malformed: ignored
+    assert parse_hints({"workflow_id": "", "agent": True}).agent == DEFAULT_AGENT   # malformed: ignored
 
 
 def test_save_then_load_from_host():

@@ -103,3 +103,17 @@ def test_a_corrupt_shared_block_fails_its_load_so_vllm_recomputes_it(tmp_path):
 def test_key_problem_names_the_fix(algo, env):
     problem = key_problem(algo, env, fixed_default_seed=False)
     assert "PYTHONHASHSEED=0" in problem or "use sha256 or sha256_cbor" in problem
+
+
+def test_a_shared_block_of_another_dtype_is_a_miss_never_a_cast(tmp_path):
+    b = Instance(tmp_path, 2)
+    h = chain([1])[0]
+    shape = b.block(0).shape
+    assert SharedBlocks(tmp_path, [IDENT]).put(h, torch.ones(shape, dtype=torch.float64))   # right shape, wrong dtype
+    before = b.block(3).clone()
+    assert b.store.load_shared(h, 3) is False
+    assert b.store.failed == {3} and b.store.stats.shared_failed == 1 and b.store.stats.loaded_shared_blocks == 0
+    assert torch.equal(b.block(3), before)   # vLLM recomputes the block; nothing was copied in
+    SharedBlocks(tmp_path, [IDENT]).dirs[0].path(int.from_bytes(h, "big")).unlink()
+    assert SharedBlocks(tmp_path, [IDENT]).put(h, torch.ones(shape, dtype=torch.float32))
+    assert b.store.load_shared(h, 3) is True and torch.equal(b.block(3), torch.ones(shape))

@@ -27,10 +27,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from pbkv.integrations.vllm.hints import MAX_HINT_CHARS, hint_label  # noqa: F401  (re-exported)
 from pbkv.route import RouteRequest
 from pbkv.trace import DEFAULT_AGENT
-
-MAX_HINT_CHARS = 256   # as `pbkv serve`: workflow ids and agent names are labels, not payloads
 HEADERS = {"workflow_id": "x-workflow-id", "agent": "x-agent"}
 
 
@@ -131,11 +130,7 @@ def prompt_text(body: Any) -> str | None:
     return json.dumps(prompt, default=str)
 
 
-def _label(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return None
-    value = str(value).strip()
-    return value if 0 < len(value) <= MAX_HINT_CHARS else None
+_label = hint_label   # one rule for a hint label, the connector's (an int of 5,000 digits raised here)
 
 
 def _headers(info: Any) -> Mapping:

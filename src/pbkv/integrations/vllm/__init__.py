@@ -3,7 +3,8 @@
 - `connector.PBKVConnector`: vLLM's out-of-tree KV connector (`kv_connector_module_path`). It
   saves every computed prompt block to pbkv's host RAM and disk tiers and loads them back into
   vLLM's paged cache; pbkv's radix tree and policy (`shadow.py`) decide what stays where;
-  workflow hints come from each request's `kv_transfer_params` (`hints.py`);
+  workflow hints come from each request's `kv_transfer_params` (`hints.py`); its
+  `kv_connector_extra_config` is checked at start (`config.py`);
 - `gpu_pool.py`: the blocks pbkv's policy evicts from its model of vLLM's GPU prefix cache are
   moved to the head of vLLM's free-block queue, so vLLM reuses them first;
 - `offload_policy.PBKVCachePolicy`: a `CachePolicy` for vLLM's native CPU offload tier;

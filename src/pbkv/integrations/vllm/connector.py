@@ -14,6 +14,7 @@ device), `disk_tokens` (default 0: no disk tier), `disk_dir`, `steer_gpu` (defau
 of KV blocks shared by every instance of the same model, keyed by vLLM's block hashes: needs a
 sha256 `prefix_caching_hash_algo` and, on a vLLM older than 0.32, the same PYTHONHASHSEED on
 every instance, else the connector refuses to start; see `shared.py`) and `shared_bytes` (its bound, default 8 GiB).
+The extra config is checked before anything is built (`config.py`: types, ranges, unknown keys).
 
 vLLM builds one instance per role: the scheduler's (`shadow.Shadow`: tree, policy, decisions)
 and one per worker rank (`store.BlockStore`: the data). Decisions travel as the step's metadata
@@ -39,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
 from pbkv.cache import CacheConfig, CapacityDefaults  # noqa: E402
+from pbkv.integrations.vllm.config import ConnectorConfig, parse_extra  # noqa: E402
 from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
 from pbkv.integrations.vllm.shared import SharedBlocks, instance_identity, key_problem  # noqa: E402
 from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
@@ -61,46 +63,45 @@ def block_key(block_hash) -> int:
 class PBKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = parse_extra(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
-        self.extra = extra
         self.shadow: Shadow | None = None
         self.store: BlockStore | None = None
         self._pool = None
         self._local: dict[str, int] = {}   # request -> vLLM's own prefix hit at the last lookup
         rank = getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0
         if role == KVConnectorRole.SCHEDULER:
-            self.shadow = self._make_shadow(extra)
-            self.shadow.shared = self._shared(vllm_config, extra, None)
+            self.shadow = self._make_shadow(self.config)
+            self.shadow.shared = self._shared(vllm_config, self.config, None)
         else:
-            self.store = BlockStore(extra.get("disk_dir"), rank=rank, shared=self._shared(vllm_config, extra, rank))
+            self.store = BlockStore(self.config.disk_dir, rank=rank,
+                                    shared=self._shared(vllm_config, self.config, rank))
 
     @staticmethod
-    def _shared(vllm_config, extra: dict, rank: int | None) -> SharedBlocks | None:
+    def _shared(vllm_config, config: ConnectorConfig, rank: int | None) -> SharedBlocks | None:
         """The shared directory for one rank (a worker) or every rank (the scheduler: None)."""
-        if not extra.get("shared_dir"):
+        if config.shared_dir is None:
             return None
         cache, model = vllm_config.cache_config, vllm_config.model_config
         algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
         from vllm.v1.core import kv_cache_utils
         problem = key_problem(algo, os.environ, hasattr(kv_cache_utils, "DEFAULT_NONE_HASH_SEED"))
         if problem is not None:
-            raise ValueError(f"pbkv connector: shared_dir {extra['shared_dir']!r} refused: {problem}")
+            raise ValueError(f"pbkv connector: shared_dir {config.shared_dir!r} refused: {problem}")
         world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1
         ids = [instance_identity(model.model, getattr(model, "revision", None), model.dtype, cache.cache_dtype,
                                  cache.block_size, algo, r, world) for r in ([rank] if rank is not None else range(world))]
-        return SharedBlocks(extra["shared_dir"], ids, int(extra["shared_bytes"]) if extra.get("shared_bytes") else None)
+        return SharedBlocks(config.shared_dir, ids, config.shared_bytes)
 
-    def _make_shadow(self, extra: dict) -> Shadow:
-        predictor_dir = extra.get("predictor_dir")
-        policy = extra.get("policy") or ("pbkv" if predictor_dir else "lru")
+    def _make_shadow(self, config: ConnectorConfig) -> Shadow:
+        predictor_dir = config.predictor_dir
+        policy = config.policy or ("pbkv" if predictor_dir else "lru")
         predictors = {}
         if predictor_dir:
             from pbkv.predict.predictor import load_predictor  # not bench's: it pins torch to 1 thread
-            predictors = {"fused": load_predictor(str(predictor_dir))}
-        asked = CacheConfig(*(None if extra.get(k) is None else int(extra[k])
-                              for k in ("device_tokens", "host_tokens", "disk_tokens")))
+            predictors = {"fused": load_predictor(predictor_dir)}
+        asked = CacheConfig(config.device_tokens, config.host_tokens, config.disk_tokens)
         caps = asked.resolve(CapacityDefaults(max(self.num_blocks - 1, 1) * self.block_size, host_ratio=4))
         shadow = Shadow(self.block_size, caps, policy, predictors)
         log.info("pbkv connector: policy %s, tiers %s", policy, caps)
@@ -109,7 +110,7 @@ class PBKVConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler side
 
     def bind_gpu_block_pool(self, gpu_block_pool) -> None:
-        if self.shadow is None or not self.extra.get("steer_gpu", True):
+        if self.shadow is None or not self.config.steer_gpu:
             return
         from pbkv.integrations.vllm.gpu_pool import GPUSteer
         self._pool = GPUSteer(gpu_block_pool, self.shadow.stats)
@@ -144,8 +145,8 @@ class PBKVConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._local.pop(request.request_id, None)
         self.shadow.finished(request.request_id)
-        path = self.extra.get("stats_path")
-        if path:
+        path = self.config.stats_path
+        if path is not None:
             with open(path, "w") as f:
                 json.dump(self.stats(), f)
         return False, None

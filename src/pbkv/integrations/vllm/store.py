@@ -124,10 +124,11 @@ class BlockStore:
 
     def load_shared(self, block_hash, block_id: int) -> bool:
         """Copy a block from the shared directory into the paged cache; False (block id recorded
-        as failed) if it is missing, bad or of another shape."""
+        as failed) if it is missing, bad, or of another shape or dtype than the paged cache.
+        Invariant: only an exact match is copied (`copy_` would cast another dtype silently; the
+        identity in the file's key names the dtype, but a file is not trusted to match its key)."""
         data = self.shared.get(block_hash)
-        t, dim = self.layers[0]
-        if data is None or tuple(data.shape) != (len(self.layers), *t.select(dim, block_id).shape):
+        if data is None or not self._fits(data, block_id):
             self.stats.shared_failed += 1
             self.failed.add(block_id)
             return False
@@ -151,6 +152,12 @@ class BlockStore:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
+
+    def _fits(self, data: torch.Tensor, block_id: int) -> bool:
+        """Whether `data` is one block of every layer, as the paged cache holds it (layer 0's
+        shape and dtype: vLLM gives every attention layer of a model the same)."""
+        t, dim = self.layers[0]
+        return data.dtype == t.dtype and tuple(data.shape) == (len(self.layers), *t.select(dim, block_id).shape)
 
     def _read(self, key: int) -> torch.Tensor:
         entry = self.disk.get(key)

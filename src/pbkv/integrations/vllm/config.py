@@ -1,0 +1,145 @@
+"""The connector's `kv_connector_extra_config`, checked once at start. Imports no vLLM.
+
+Every key is optional; JSON null is the same as leaving the key out, except for `steer_gpu`
+(null used to turn steering off: it is refused rather than silently meaning true). A value that
+breaks a rule raises `ValueError` naming `kv_connector_extra_config.<key>` and the value, before
+anything is built; every problem of one config is reported together. Rules:
+
+- the config itself is a JSON object; a key that is not in `KEYS` is refused, with the known
+  keys listed (a misspelt key must not silently fall back to a default);
+- `policy`: a non-empty string (the policy registry then checks the name);
+- `predictor_dir`, `disk_dir`, `shared_dir`: non-empty strings naming a directory or a path that
+  does not exist yet (the nearest existing ancestor must be a directory);
+- `stats_path`: a non-empty string that is not an existing directory;
+- `device_tokens`, `host_tokens`, `disk_tokens`: integers >= 0 (0 device tokens: vLLM's whole
+  pool, as in `CacheConfig.resolve`); `shared_bytes`: an integer > 0;
+- `steer_gpu`: a JSON boolean.
+
+Integers are Python `int`s but not `bool`s (JSON `true` is not 1 token); floats are refused
+rather than truncated. No check converts or replaces a value: a config that passes means what
+it meant before the checks, defaults included.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+PREFIX = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """A checked extra config: None means "not given" (the connector's default applies)."""
+
+    policy: str | None = None
+    predictor_dir: str | None = None
+    device_tokens: int | None = None
+    host_tokens: int | None = None
+    disk_tokens: int | None = None
+    disk_dir: str | None = None
+    steer_gpu: bool = True
+    stats_path: str | None = None
+    shared_dir: str | None = None
+    shared_bytes: int | None = None
+
+
+KEYS = tuple(f.name for f in fields(ConnectorConfig))
+
+
+def _text(value: Any) -> str | None:
+    if not isinstance(value, str) or not value.strip():
+        return "must be a non-empty string"
+    return None
+
+
+def _path(value: Any) -> str | None:
+    problem = _text(value)
+    if problem is None and "\0" in value:
+        return "must not contain a NUL character"
+    return problem
+
+
+def _directory(value: Any) -> str | None:
+    problem = _path(value)
+    if problem is not None:
+        return problem
+    path = Path(value)   # as the connector will use it (no ~ expansion there either)
+    # os.path.lexists / isdir answer False where Path.exists may raise (a folder we may not list)
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if existing is not None and not os.path.isdir(existing):
+        return f"must name a directory ({str(existing)!r} exists and is not one)"
+    return None
+
+
+def _file(value: Any) -> str | None:
+    problem = _path(value)
+    if problem is None and os.path.isdir(value):
+        return "must name a file, not a directory"
+    return problem
+
+
+def _count(minimum: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            return f"must be an integer >= {minimum}"
+        return None
+    return check
+
+
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be a JSON boolean (true or false)"
+
+
+CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "policy": _text, "predictor_dir": _directory, "device_tokens": _count(0), "host_tokens": _count(0),
+    "disk_tokens": _count(0), "disk_dir": _directory, "steer_gpu": _boolean, "stats_path": _file,
+    "shared_dir": _directory, "shared_bytes": _count(1),
+}
+assert set(CHECKS) == set(KEYS)   # a new ConnectorConfig field needs its check
+NULL_IS_UNSET = frozenset(KEYS) - {"steer_gpu"}
+
+
+def _unknown(keys: list) -> str:
+    """One message for every unknown key, each with its likely intended key, then the known keys."""
+    named = []
+    for key in keys:
+        close = difflib.get_close_matches(str(key), KEYS, n=1)
+        name = key if isinstance(key, str) and len(key) <= 80 else _show(key)
+        named.append(f"{PREFIX}.{name}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"{', '.join(named)}: unknown key{'s' if len(keys) > 1 else ''}; known keys: {', '.join(KEYS)}"
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its repr, cut to 80 characters."""
+    try:
+        text = repr(value)
+    except ValueError:   # an int of more than 4300 digits has no repr by default
+        return f"<a {type(value).__name__} too large to print>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_extra(extra: Any) -> ConnectorConfig:
+    """The checked `ConnectorConfig` of a raw extra config (None: all defaults); see the module
+    docstring for the rules. Raises ValueError listing every problem."""
+    if extra is None:
+        return ConnectorConfig()
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"pbkv connector: {PREFIX} must be a JSON object, got {_show(extra)}")
+    unknown = [key for key in extra if key not in CHECKS]
+    problems = [_unknown(unknown)] if unknown else []
+    given = {}
+    for key, value in extra.items():
+        if key not in CHECKS or (value is None and key in NULL_IS_UNSET):
+            continue
+        problem = CHECKS[key](value)
+        if problem is None:
+            given[key] = value
+        else:
+            problems.append(f"{PREFIX}.{key}={_show(value)}: {problem}")
+    if problems:
+        raise ValueError("pbkv connector: " + "; ".join(problems))
+    return ConnectorConfig(**given)

@@ -1,0 +1,88 @@
+"""The connector's `kv_connector_extra_config` checks (`pbkv.integrations.vllm.config`), without vLLM:
+every valid config gives the settings the connector used before; every invalid one is refused
+with a ValueError naming `kv_connector_extra_config.<key>` and the value."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pbkv.integrations.vllm import kv_transfer_config
+from pbkv.integrations.vllm.config import KEYS, ConnectorConfig, parse_extra
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "vllm.md"
+
+
+def refused(extra) -> str:
+    with pytest.raises(ValueError) as e:
+        parse_extra(extra)
+    return str(e.value)
+
+
+def test_defaults_and_valid_values_are_kept_as_given(tmp_path):
+    assert parse_extra(None) == parse_extra({}) == ConnectorConfig()
+    assert ConnectorConfig().steer_gpu is True
+    extra = kv_transfer_config("pbkv-retired", predictor_dir=str(tmp_path), device_tokens=0, host_tokens=256,
+                               disk_tokens=4096, disk_dir=str(tmp_path / "new" / "deeper"), steer_gpu=False,
+                               stats_path=str(tmp_path / "stats.json"), shared_dir=str(tmp_path),
+                               shared_bytes=1 << 20)["kv_connector_extra_config"]
+    assert parse_extra(extra) == ConnectorConfig(**extra)
+    assert parse_extra({"host_tokens": 10**30}).host_tokens == 10**30   # no upper bound: tiers are models
+
+
+def test_null_means_not_given_except_for_steer_gpu():
+    assert parse_extra({k: None for k in KEYS if k != "steer_gpu"}) == ConnectorConfig()
+    assert "kv_connector_extra_config.steer_gpu=None" in refused({"steer_gpu": None})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("steer_gpu", "false"), ("steer_gpu", 0), ("steer_gpu", 1),
+    ("host_tokens", 12.7), ("host_tokens", True), ("host_tokens", "256"), ("host_tokens", [1]), ("host_tokens", -1),
+    ("device_tokens", "abc"), ("device_tokens", -100), ("disk_tokens", -100), ("disk_tokens", 1.0),
+    ("shared_bytes", 0), ("shared_bytes", 0.5), ("shared_bytes", -5), ("shared_bytes", "1GiB"),
+    ("shared_bytes", False), ("policy", 5), ("policy", ""), ("policy", "  "),
+    ("disk_dir", ""), ("disk_dir", 5), ("shared_dir", ["a"]), ("predictor_dir", ""), ("stats_path", ""),
+    ("disk_dir", "a\0b"),
+])
+def test_a_bad_value_names_its_key_and_value(key, value):
+    assert f"kv_connector_extra_config.{key}={value!r}" in refused({key: value})
+
+
+@pytest.mark.parametrize("key", ["disk_dir", "shared_dir", "predictor_dir"])
+def test_a_directory_key_refuses_a_file_or_a_path_under_one(tmp_path, key):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path in (afile, afile / "x"):
+        message = refused({key: str(path)})
+        assert f"kv_connector_extra_config.{key}={str(path)!r}" in message and str(afile) in message
+    assert parse_extra({key: str(tmp_path / "not-yet" / "x")}) is not None   # created later
+
+
+def test_stats_path_refuses_a_directory(tmp_path):
+    assert "kv_connector_extra_config.stats_path" in refused({"stats_path": str(tmp_path)})
+
+
+def test_unknown_keys_are_refused_with_the_known_keys_listed():
+    message = refused({"host_token": 5, "polcy": "pbkv", "policy": "lru"})
+    assert "kv_connector_extra_config.host_token (did you mean 'host_tokens'?)" in message
+    assert "kv_connector_extra_config.polcy (did you mean 'policy'?)" in message
+    assert "known keys: " + ", ".join(KEYS) in message
+
+
+def test_every_problem_is_reported_at_once():
+    message = refused({"steer_gpu": "false", "host_tokens": 1.5, "typo": 1})
+    assert all(s in message for s in ("steer_gpu='false'", "host_tokens=1.5", "kv_connector_extra_config.typo"))
+
+
+@pytest.mark.parametrize("extra", ["abc", [("policy", "lru")], 5])
+def test_the_extra_config_must_be_an_object(extra):
+    assert "kv_connector_extra_config must be a JSON object" in refused(extra)
+
+
+def test_a_huge_int_in_an_error_does_not_break_the_message():
+    assert "kv_connector_extra_config.shared_bytes=<a int too large to print>" in refused({"shared_bytes": -10**5000})
+
+
+def test_the_documented_keys_are_the_checked_keys():
+    table = DOCS.read_text().split("`kv_connector_extra_config` (all optional", 1)[1].split("\n\n", 2)[1]
+    assert tuple(re.findall(r"^\| `(\w+)` \|", table, re.M)) == KEYS
