@@ -42,6 +42,16 @@ def test_registry_lists_and_rejects_unknown_names():
     assert make_policy("pbkv.policy.lru:LRUPolicy", PolicyContext()).name == "lru"
 
 
+def test_a_policy_module_that_fails_as_it_is_imported_is_an_unknown_policy(tmp_path, monkeypatch):
+    (tmp_path / "broken_policy.py").write_text("def oops(:\n")            # a user's syntax error
+    (tmp_path / "raising_policy.py").write_text("raise RuntimeError('no config file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UnknownPolicy, match=r"cannot load 'broken_policy:P': importing broken_policy raised SyntaxError"):
+        make_policy("broken_policy:P", PolicyContext())
+    with pytest.raises(UnknownPolicy, match=r"importing raising_policy raised RuntimeError: no config file"):
+        make_policy("raising_policy:P", PolicyContext())
+
+
 def test_lru_order_is_least_recent_first():
     cache, _ = make_cache(100 * BLOCK)
     for i, p in enumerate(["k", "m", "n"]):

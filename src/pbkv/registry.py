@@ -36,6 +36,9 @@ class LazyRegistry(Generic[T]):
             found = getattr(importlib.import_module(module), cls)
         except (ImportError, AttributeError) as e:
             raise self.error(f"{self.kind} {name!r}: cannot load {target!r} ({e})") from None
+        except Exception as e:  # noqa: BLE001 - an out-of-tree module that fails as it is imported
+            raise self.error(f"{self.kind} {name!r}: cannot load {target!r}: importing {module} raised "
+                             f"{type(e).__name__}: {e}") from None
         if not (isinstance(found, type) and issubclass(found, self.base)):
             raise self.error(f"{self.kind} {name!r}: {target!r} is not a pbkv {self.base.__name__} subclass")
         return found
