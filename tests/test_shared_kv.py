@@ -124,6 +124,11 @@ def test_a_reader_without_write_access_reads_and_misses_but_never_raises_else(tm
     with pytest.raises(CorruptKV):                         # a bad file it cannot remove: a miss to the engine
         s.get(2)
     assert s.evict() == 0
+    s.discard(1)                                           # a reader's "another geometry": best effort too
+    monkeypatch.undo()
+    assert s.contains(1) and s.stats.corrupt == 2
+    s.discard(1)
+    assert not s.contains(1) and s.stats.corrupt == 3
 
 
 def test_a_file_whose_tensor_is_not_the_recorded_shape_is_refused(tmp_path):

@@ -114,6 +114,6 @@ def test_a_shared_block_of_another_dtype_is_a_miss_never_a_cast(tmp_path):
     assert b.store.load_shared(h, 3) is False
     assert b.store.failed == {3} and b.store.stats.shared_failed == 1 and b.store.stats.loaded_shared_blocks == 0
     assert torch.equal(b.block(3), before)   # vLLM recomputes the block; nothing was copied in
-    SharedBlocks(tmp_path, [IDENT]).dirs[0].path(int.from_bytes(h, "big")).unlink()
+    assert not SharedBlocks(tmp_path, [IDENT]).dirs[0].path(int.from_bytes(h, "big")).exists()  # removed: rewritable
     assert SharedBlocks(tmp_path, [IDENT]).put(h, torch.ones(shape, dtype=torch.float32))
     assert b.store.load_shared(h, 3) is True and torch.equal(b.block(3), torch.ones(shape))

@@ -148,6 +148,12 @@ class SharedKVDir:
         self.stats.bytes_read += data.numel() * data.element_size()
         return data
 
+    def discard(self, block_hash: int) -> None:
+        """A verified file a reader cannot use (another geometry under this key): count it as
+        corrupt and remove it, so the next writer replaces it (best effort, as in `get`)."""
+        self.stats.corrupt += 1
+        _remove(self.path(block_hash))
+
     def get_prefix(self, hash_ids: Sequence[int]) -> list[torch.Tensor]:
         """Verified KV of the longest leading run of blocks the tier holds (stops at a miss)."""
         out = []

@@ -96,8 +96,7 @@ class SharedTier:
             if kv is None:
                 break
             if tuple(kv.shape) != self.shape or kv.dtype != self.dtype:
-                self.dir.stats.corrupt += 1   # a valid file of another geometry under our key
-                self.dir.path(key).unlink(missing_ok=True)
+                self.dir.discard(key)   # a valid file of another geometry under our key
                 break
             parts.append(kv)
         self.counters.read_seconds += time.perf_counter() - start

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from pbkv.engine.kvfile import CorruptKV
 from pbkv.engine.shared_kv import SharedKVDir
@@ -85,9 +86,13 @@ class SharedBlocks:
         except CorruptKV:
             return None
 
+    def discard(self, block_hash, rank_index: int = 0) -> None:
+        """Remove a block a reader found unusable (another dtype or shape), so it is written again."""
+        self.dirs[rank_index].discard(hash_int(block_hash))
+
     def put(self, block_hash, kv: torch.Tensor, rank_index: int = 0) -> bool:
         """Store one rank's block (False: it was there already, or the write failed)."""
         try:
             return self.dirs[rank_index].put(hash_int(block_hash), kv)
-        except (OSError, RuntimeError, ValueError):
+        except (OSError, RuntimeError, ValueError, SafetensorError):   # a full disk: SafetensorError
             return False

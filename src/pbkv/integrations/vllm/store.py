@@ -128,7 +128,10 @@ class BlockStore:
         Invariant: only an exact match is copied (`copy_` would cast another dtype silently; the
         identity in the file's key names the dtype, but a file is not trusted to match its key)."""
         data = self.shared.get(block_hash)
-        if data is None or not self._fits(data, block_id):
+        if data is not None and not self._fits(data, block_id):
+            self.shared.discard(block_hash)   # else it would miss here for ever: no writer replaces a file
+            data = None
+        if data is None:
             self.stats.shared_failed += 1
             self.failed.add(block_id)
             return False
