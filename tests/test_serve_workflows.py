@@ -155,3 +155,15 @@ def test_a_workflow_id_with_a_slash_can_be_ended(srv, client):
     r = httpx.post(srv.url + "/v1/workflows/team%2Falpha/end")    # the client quotes it; routing sees "/"
     assert r.status_code == 200 and r.json()["id"] == "team/alpha", r.text
     assert httpx.post(srv.url + "/v1/workflows/team/alpha/end").status_code == 404   # ended once only
+
+
+def test_a_retrain_on_fewer_workflows_than_the_loaded_predictor_is_not_used():
+    from types import SimpleNamespace
+
+    from pbkv.serve.learning import TrafficLearner
+    learner = TrafficLearner(every=1000)
+    learner.floor = 60
+    learner._ready = SimpleNamespace(info={"workflows": 12})      # a retrain on this session's 12
+    assert learner.poll() is None
+    learner._ready = SimpleNamespace(info={"workflows": 60})
+    assert learner.poll().info["workflows"] == 60

@@ -45,7 +45,8 @@ class PolicySetup:
     variant: str | None
     predictor_dir: Path | None
     loaded: bool
-    loaded_workflows: int = 0   # what the predictor loaded from predictor_dir was trained on
+    loaded_workflows: int = 0   # what the predictor loaded from predictor_dir was trained on (at most
+                                # the learner's window: what a session can reach)
 
 
 class TrafficLearner(OnlineLearner):
@@ -64,8 +65,20 @@ class TrafficLearner(OnlineLearner):
 
     skipped = 0
     nice = DEFAULT_NICE
+    floor = 0          # a retrain on fewer workflows is not used (`build_policy`: the loaded predictor's)
     _pool = None
     _lifeline = None
+
+    def poll(self):
+        """`OnlineLearner.poll`, but a predictor trained on fewer than `floor` workflows is
+        dropped: retrains learn from this session's traffic alone, so one made after a few dozen
+        workflows would replace a loaded predictor trained on thousands (and forget its agents)."""
+        ready = super().poll()
+        if ready is not None and ready.info.get("workflows", 0) < self.floor:
+            log.info("not using a retrain on %d workflows: the loaded predictor was trained on %d",
+                     ready.info.get("workflows", 0), self.floor)
+            return None
+        return ready
 
     def add(self, agents: list[str], contexts: list[str | None]) -> None:
         if all(a == DEFAULT_AGENT for a in agents):
@@ -190,12 +203,13 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
                 check_target(predictor_dir)
             predictors[variant] = empty_markov(horizon)
     learner = None
+    trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
     if variant is not None and online:
         learner = TrafficLearner(variant=variant, horizon=horizon, every=learn_every, background=True,
                                  target_steps=learn_steps)
         learner.nice = learn_nice
+        trained_on = learner.floor = min(trained_on, learner.window.maxlen)   # reachable by the window
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
-    trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
     return PolicySetup(policy, learner, variant, predictor_dir, loaded, trained_on)
 
 
