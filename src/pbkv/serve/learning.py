@@ -45,8 +45,6 @@ class PolicySetup:
     variant: str | None
     predictor_dir: Path | None
     loaded: bool
-    loaded_workflows: int = 0   # what the predictor loaded from predictor_dir was trained on (at most
-                                # the learner's window: what a session can reach)
 
 
 class TrafficLearner(OnlineLearner):
@@ -73,12 +71,15 @@ class TrafficLearner(OnlineLearner):
         """`OnlineLearner.poll`, but a predictor trained on fewer than `floor` workflows is
         dropped: retrains learn from this session's traffic alone, so one made after a few dozen
         workflows would replace a loaded predictor trained on thousands (and forget its agents)."""
-        ready = super().poll()
-        if ready is not None and ready.info.get("workflows", 0) < self.floor:
+        return self._above_floor(super().poll())
+
+    def _above_floor(self, predictor):
+        """`predictor`, or None when it was trained on fewer than `floor` workflows (logged)."""
+        if predictor is not None and predictor.info.get("workflows", 0) < self.floor:
             log.info("not using a retrain on %d workflows: the loaded predictor was trained on %d",
-                     ready.info.get("workflows", 0), self.floor)
+                     predictor.info.get("workflows", 0), self.floor)
             return None
-        return ready
+        return predictor
 
     def add(self, agents: list[str], contexts: list[str | None]) -> None:
         if all(a == DEFAULT_AGENT for a in agents):
@@ -119,7 +120,7 @@ class TrafficLearner(OnlineLearner):
         if final_train and self.pending and len(self.window) >= MIN_FINAL_TRAIN:
             self.background, self.every = False, 1
             newest = self.poll() or newest
-        return newest
+        return self._above_floor(newest)   # the retrain in progress too: nothing below it is saved
 
     def close(self, kill: bool = False) -> None:
         if self._pool is not None:
@@ -203,14 +204,14 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
                 check_target(predictor_dir)
             predictors[variant] = empty_markov(horizon)
     learner = None
-    trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
     if variant is not None and online:
         learner = TrafficLearner(variant=variant, horizon=horizon, every=learn_every, background=True,
                                  target_steps=learn_steps)
         learner.nice = learn_nice
-        trained_on = learner.floor = min(trained_on, learner.window.maxlen)   # reachable by the window
+        trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
+        learner.floor = min(trained_on, learner.window.maxlen)   # reachable by the window
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
-    return PolicySetup(policy, learner, variant, predictor_dir, loaded, trained_on)
+    return PolicySetup(policy, learner, variant, predictor_dir, loaded)
 
 
 def finish_learning(setup: PolicySetup) -> Path | None:
@@ -227,12 +228,6 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     predictor = getattr(policy, "predictor", None)
     if not isinstance(predictor, NeuralPredictor):
         log.info("no trained predictor to save to %s (too few workflows ended)", setup.predictor_dir)
-        return None
-    if setup.loaded_workflows > predictor.info.get("workflows", 0):
-        # retrains learn from this session's traffic alone: a short session must not replace a
-        # predictor trained on more (it forgot every agent the session did not call)
-        log.info("kept the predictor in %s (trained on %d workflows; this session's on %d)", setup.predictor_dir,
-                 setup.loaded_workflows, predictor.info.get("workflows", 0))
         return None
     return save_atomic(predictor, setup.predictor_dir)
 
