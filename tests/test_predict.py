@@ -126,7 +126,7 @@ def test_context_word_is_learned_and_beats_markov_and_history_only(fused):
 
 def test_save_load_round_trip_is_identical_and_pickle_free(fused, tmp_path):
     save_predictor(fused, tmp_path / "m")
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["CURRENT", "v000001"]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [".lock", "CURRENT", "v000001"]
     live = live_dir(tmp_path / "m")
     assert sorted(p.name for p in live.iterdir()) == ["config.json", "markov.json", "model.safetensors"]
     config = json.loads((live / "config.json").read_text())

@@ -3,11 +3,13 @@ the new one, each complete; stale temporaries of killed writers are removed by t
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -97,10 +99,35 @@ def test_a_writer_killed_at_any_step_leaves_old_or_new_whole(predictor_a, tmp_pa
         assert same(weights(loaded), wb if expect_new else wa), step
         # the next save removes the killed writer's temporaries; the live and previous versions stay
         save_predictor(a, dst)
-        names = sorted(p.name for p in dst.iterdir())
+        names = sorted(p.name for p in dst.iterdir() if p.name != ".lock")
         assert not [n for n in names if "tmp" in n], (step, names)
         assert names[0] == "CURRENT" and len(names) <= 3, (step, names)
         assert same(weights(load_predictor(dst)), wa)
+
+
+def test_saves_by_two_processes_run_one_after_the_other(predictor_a, tmp_path):
+    """Unlocked, a save pausing between its rename and its prune let another save point CURRENT at
+    a version the first then pruned. Now a save waits for the one in progress (DIR/.lock), and a
+    writer killed while holding it does not block the next."""
+    a = load_predictor(predictor_a)
+    dst = tmp_path / "model"
+    save_predictor(a, dst)
+    child = kill_at("renamed", predictor_a, dst)
+    assert child.stdout.readline().split() == ["PAUSED", "renamed"]
+    with open(dst / ".lock", "a") as handle:  # the paused writer holds the lock
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    a.info = {"gen": "C"}
+    saver = threading.Thread(target=save_predictor, args=(a, dst))
+    saver.start()
+    assert load_predictor(dst).info["gen"] == "A"  # not pointed yet: the paused writer is first
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=30)
+    child.stdout.close()
+    child.stdin.close()
+    saver.join(timeout=60)
+    assert not saver.is_alive()
+    assert live_dir(dst).is_dir() and load_predictor(dst).info["gen"] == "C"
 
 
 def test_flat_directory_loads_and_the_first_versioned_save_replaces_it(predictor_a, tmp_path):
@@ -118,7 +145,7 @@ def test_flat_directory_loads_and_the_first_versioned_save_replaces_it(predictor
     alive = tmp_path / f".flat.tmp{os.getpid()}"  # a live writer's: never touched
     alive.mkdir()
     save_predictor(a, flat)
-    assert sorted(p.name for p in flat.iterdir()) == ["CURRENT", "v000001"]
+    assert sorted(p.name for p in flat.iterdir()) == [".lock", "CURRENT", "v000001"]
     assert not stale.exists() and alive.exists()
     pa, pb = (p.predict(["plan"]) for p in (a, load_predictor(flat)))
     assert np.array_equal(pa.probs, pb.probs)
@@ -139,7 +166,7 @@ def test_a_folder_of_other_files_is_refused_and_left_as_it_was(predictor_a, tmp_
     empty.mkdir()
     save_predictor(a, empty)                           # an empty folder, and a saved one, are fine
     save_predictor(a, empty)
-    assert sorted(p.name for p in empty.iterdir()) == ["CURRENT", "v000001", "v000002"]
+    assert sorted(p.name for p in empty.iterdir()) == [".lock", "CURRENT", "v000001", "v000002"]
 
 
 def test_the_flat_format_name_is_the_predictors():

@@ -3,7 +3,9 @@
 Layout of a saved directory DIR:
 - `DIR/CURRENT`: one line, the name of the live version (`v000003`);
 - `DIR/v000003/`: that version's files, complete;
-- `DIR/.v000004.tmp<PID>/`, `DIR/CURRENT.tmp<PID>`: a save in progress by process PID.
+- `DIR/.v000004.tmp<PID>/`, `DIR/CURRENT.tmp<PID>`: a save in progress by process PID;
+- `DIR/.lock`: held (flock) by the save in progress, so saves by several processes (two servers
+  sharing one `--predictor` folder) run one after the other.
 
 Invariants:
 - a save writes a whole new version under a temporary name, renames it to its version name
@@ -13,16 +15,20 @@ Invariants:
 - a reader resolves `CURRENT` once and reads only that version: old or new, never a mix;
 - the next save removes stale temporaries (their PID is dead) and every version but the live
   one and the one before it (a reader may still be loading that);
+- saves never interleave (`DIR/.lock`): two unlocked saves could each prune the other's
+  version, leaving `CURRENT` naming a removed folder;
 - a directory without `CURRENT` is one flat version (the layout before versioning); the first
   versioned save removes its files.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +37,7 @@ from pbkv.stale import remove_stale
 POINTER = "CURRENT"
 VERSION_NAME = re.compile(r"v(\d{6,})")
 STALE = r"(\.v\d+\.tmp|CURRENT\.tmp)(?P<pid>\d+)"
+LOCK = ".lock"
 FLAT_FILES = ("config.json", "model.safetensors", "markov.json")
 FLAT_FORMAT = "pbkv-predictor"               # config.json's "format" (predictor.FORMAT)
 
@@ -68,7 +75,7 @@ def check_target(path: str | Path) -> None:
         raise ValueError(f"{path} is a file; give a folder for the predictor")
     if (path / POINTER).is_file() or _flat_predictor(path):
         return
-    others = sorted(e.name for e in path.iterdir() if not re.fullmatch(STALE, e.name))
+    others = sorted(e.name for e in path.iterdir() if not re.fullmatch(STALE, e.name) and e.name != LOCK)
     if others:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         raise ValueError(f"{path}: holds other files ({shown}) and no saved predictor; a save replaces "
@@ -152,16 +159,30 @@ def _prune(path: Path, live: str) -> None:
 
 def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Save a new version of `path` with `write(folder)` (which fills an empty folder) and make
-    it live atomically. Returns `path`."""
+    it live atomically. Returns `path`. Waits for a save in progress by another process."""
     path = Path(path)
     check_target(path)
     path.mkdir(parents=True, exist_ok=True)
-    remove_stale(path, STALE)
-    # the sibling temp folder of the earlier save (`.NAME.tmp<PID>`), left by a killed writer
-    remove_stale(path.parent, re.escape(f".{path.name}.tmp") + r"(?P<pid>\d+)")
-    name = _write_version(path, write)
-    on_step("renamed")
-    _point_to(path, name)
-    on_step("pointed")
-    _prune(path, name)
+    with _locked(path):
+        remove_stale(path, STALE)
+        # the sibling temp folder of the earlier save (`.NAME.tmp<PID>`), left by a killed writer
+        remove_stale(path.parent, re.escape(f".{path.name}.tmp") + r"(?P<pid>\d+)")
+        name = _write_version(path, write)
+        on_step("renamed")
+        _point_to(path, name)
+        on_step("pointed")
+        _prune(path, name)
     return path
+
+
+@contextmanager
+def _locked(path: Path):
+    """Hold `path/.lock` exclusively. flock is released by the kernel when its holder dies, so a
+    killed writer never blocks the next save; the file itself stays (removing it would let two
+    writers lock two different files)."""
+    with open(path / LOCK, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
