@@ -117,6 +117,7 @@ def test_recorded_traces_are_valid_and_match_the_prompts(srv, client):
 
 
 def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path):  # noqa: F811
+    from pbkv.predict.history import read_history
     from pbkv.predict.predictor import NeuralPredictor, load_predictor
     model_dir = tmp_path / "predictor"
     srv = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
@@ -138,8 +139,10 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
         assert {"router", "coder"} <= set(setup.policy.predictor.agents)
     finally:
         again.stop()
+    assert [wf[0][0] for wf in read_history(model_dir)] == ["router"] * 12    # saved with it
     short = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
-    try:   # a short session's retrain knows only its own agents: it must not replace the 12-workflow one
+    try:   # a short session learns on top of the earlier ones: it keeps their agents
+        assert len(short.state.setup.learner.window) == 12
         client = openai.OpenAI(base_url=short.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for w in range(5):
             for i in range(2):
@@ -147,7 +150,8 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
     finally:
         short.stop()
     kept = load_predictor(model_dir)
-    assert {"router", "coder"} <= set(kept.agents) and kept.info["workflows"] == 12
+    assert {"router", "coder", "chat"} <= set(kept.agents) and kept.info["workflows"] == 17
+    assert len(read_history(model_dir)) == 17
 
 
 def test_a_workflow_id_with_a_slash_can_be_ended(srv, client):

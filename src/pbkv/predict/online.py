@@ -2,7 +2,9 @@
 
 - `add(agents, contexts)` records a finished workflow (kept in a bounded window, newest last);
 - every `every` new workflows a retrain starts on the offline training set plus that window;
-- `poll()` hands back the new predictor once it is ready, else None.
+- `poll()` hands back the new predictor once it is ready, else None;
+- `remember(workflows)` starts the window with workflows learned before (a restarted server's),
+  `workflows()` is the window as (agent, context) pairs, for saving beside the predictor.
 
 In background mode the retrain runs on a thread and serving never waits for it (`poll` only
 checks whether it finished). In step mode (the simulator, which must be deterministic) the
@@ -41,6 +43,18 @@ class OnlineLearner:
         self.window.append([Call(wid, step, agent, 1, 0, [0], context=ctx)
                             for step, (agent, ctx) in enumerate(zip(agents, contexts))])
         self.pending += 1
+
+    def remember(self, workflows: list[list[tuple[str, str | None]]]) -> None:
+        """Put earlier workflows in the window, oldest first. They are not pending: the
+        predictor they come with has learned from them, so they only join the next retrain."""
+        pending = self.pending
+        for wf in workflows:
+            OnlineLearner.add(self, [a for a, _ in wf], [c for _, c in wf])
+        self.pending = pending
+
+    def workflows(self) -> list[list[tuple[str, str | None]]]:
+        """The window, oldest first, as (agent, context) per call."""
+        return [[(c.agent, c.context) for c in wf] for wf in self.window]
 
     def poll(self):
         """A freshly trained predictor, or None. Starts a retrain when one is due."""

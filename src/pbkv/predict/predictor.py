@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pbkv.predict import store
+from pbkv.predict.history import write_history
 from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
 from pbkv.predict.features import WORD, Featurizer
 from pbkv.predict.markov import MarkovPredictor
@@ -103,11 +104,15 @@ class NeuralPredictor:
         return self.predict_batch([(list(history), context)], None if hidden is None else [hidden])[0]
 
 
-def save_predictor(p: NeuralPredictor, path: str | Path) -> Path:
+def save_predictor(p: NeuralPredictor, path: str | Path, history: list | None = None) -> Path:
     """Write `p` as a new version of the directory `path` (created if needed) and make it live
     atomically: a reader, or a writer killed at any point, sees the old predictor or the new one,
-    each complete. Returns `path`."""
-    return store.publish(path, lambda folder: _write_files(p, folder))
+    each complete. `history`: the workflows to keep with it (`pbkv.predict.history`). Returns `path`."""
+    def write(folder: Path) -> None:
+        _write_files(p, folder)
+        if history is not None:
+            write_history(folder, history)
+    return store.publish(path, write)
 
 
 def _write_files(p: NeuralPredictor, path: Path) -> None:

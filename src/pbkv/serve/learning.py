@@ -8,7 +8,9 @@
   to `TrafficLearner` (retrains in a child process, serving never waits) and swaps in the new
   predictor when it is ready (`PBKVPolicy._learn`);
 - on shutdown the newest neural predictor is saved back to `--predictor` (after a last retrain
-  on workflows not yet learned from) as a new version made live atomically.
+  on workflows not yet learned from) as a new version made live atomically, with the learning
+  window's workflows (`pbkv.predict.history`): the next server on that folder starts its
+  window with them, so learning goes on across restarts.
 Policies that read a trace's future (the oracle) cannot serve: a server has no future.
 """
 
@@ -21,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import Pipe, get_context
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import numpy as np
 
 from pbkv.policy import PolicyContext
 from pbkv.policy.registry import make_policy, needed_predictor, needs_future
+from pbkv.predict.history import read_history
 from pbkv.predict.online import OnlineLearner
 from pbkv.predict.store import check_target, has_predictor
 from pbkv.serve.workflows import DEFAULT_AGENT
@@ -45,6 +48,7 @@ class PolicySetup:
     variant: str | None
     predictor_dir: Path | None
     loaded: bool
+    history: list = field(default_factory=list)   # workflows saved with the loaded predictor
 
 
 class TrafficLearner(OnlineLearner):
@@ -69,8 +73,9 @@ class TrafficLearner(OnlineLearner):
 
     def poll(self):
         """`OnlineLearner.poll`, but a predictor trained on fewer than `floor` workflows is
-        dropped: retrains learn from this session's traffic alone, so one made after a few dozen
-        workflows would replace a loaded predictor trained on thousands (and forget its agents)."""
+        dropped: retrains learn from the window (this session's traffic, after the workflows
+        saved with the loaded predictor; none for one from `pbkv train`), so one made after a few
+        dozen workflows would replace a predictor trained on thousands (and forget its agents)."""
         return self._above_floor(super().poll())
 
     def _above_floor(self, predictor):
@@ -189,7 +194,7 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
                          f"(use lru, kvflow or pbkv)")
     variant = needed_predictor(name)
     predictor_dir = Path(predictor_dir) if predictor_dir else None
-    predictors, loaded = {}, False
+    predictors, loaded, history = {}, False, []
     if variant is not None:
         if predictor_dir is not None and has_predictor(predictor_dir):
             from pbkv.predict.predictor import PredictorLoadError, load_predictor
@@ -197,7 +202,7 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
                 predictors[variant] = load_predictor(predictor_dir)
             except PredictorLoadError as e:
                 raise ValueError(str(e)) from None
-            loaded = True
+            loaded, history = True, read_history(predictor_dir)
             horizon = predictors[variant].horizon
         else:
             if predictor_dir is not None:  # saved there on shutdown: refuse a folder of other files now
@@ -210,8 +215,9 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
         learner.nice = learn_nice
         trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
         learner.floor = min(trained_on, learner.window.maxlen)   # reachable by the window
+        learner.remember(history)
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
-    return PolicySetup(policy, learner, variant, predictor_dir, loaded)
+    return PolicySetup(policy, learner, variant, predictor_dir, loaded, history)
 
 
 def finish_learning(setup: PolicySetup) -> Path | None:
@@ -229,11 +235,12 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     if not isinstance(predictor, NeuralPredictor):
         log.info("no trained predictor to save to %s (too few workflows ended)", setup.predictor_dir)
         return None
-    return save_atomic(predictor, setup.predictor_dir)
+    history = learner.workflows() if learner is not None else setup.history
+    return save_atomic(predictor, setup.predictor_dir, history)
 
 
-def save_atomic(predictor, folder: Path) -> Path:
+def save_atomic(predictor, folder: Path, history: list | None = None) -> Path:
     """Save as a new version of `folder`, made live in one atomic step (`pbkv.predict.store`):
     a reader, or a server killed mid-save, sees the old predictor or the new one, each whole."""
     from pbkv.predict.predictor import save_predictor
-    return save_predictor(predictor, folder)
+    return save_predictor(predictor, folder, history)

@@ -1,0 +1,64 @@
+"""The workflows a served predictor learned from, kept beside it so learning survives a restart.
+
+A server that learns online (`pbkv serve --predictor DIR`) saves, with each predictor version,
+the agents and contexts of the workflows in its learning window (`workflows.json`); the next
+server on DIR starts its window with them, so its retrains learn from every session's traffic,
+not from its own alone. A predictor saved by `pbkv train` has no such file (its traces are the
+user's) and starts with an empty window.
+
+Invariants:
+- the file is part of the version it was saved with: read from the live version only, so it
+  always belongs to the predictor loaded beside it;
+- a context is kept to its first `MAX_CONTEXT_CHARS` characters: the featurizer reads no more
+  (`FeatureConfig.max_chars`, the default a server's retrains use), so the cut loses nothing the
+  predictor can learn from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pbkv.files import read_text
+from pbkv.predict import store
+from pbkv.predict.features import FeatureConfig
+
+FILE = "workflows.json"
+FORMAT = "pbkv-workflows"
+MAX_CONTEXT_CHARS = FeatureConfig.max_chars
+
+Workflow = list[tuple[str, "str | None"]]   # (agent, context) per call, in call order
+
+
+def write_history(folder: Path, workflows: list[Workflow]) -> None:
+    """Write `workflows` into a version folder being saved (`store.publish`'s `write`)."""
+    rows = [[[agent, None if ctx is None else ctx[:MAX_CONTEXT_CHARS]] for agent, ctx in wf] for wf in workflows]
+    (folder / FILE).write_text(json.dumps({"format": FORMAT, "workflows": rows}) + "\n", encoding="utf-8")
+
+
+def read_history(path: str | Path) -> list[Workflow]:
+    """The workflows saved with the live version of predictor directory `path` ([] when none).
+    Raises ValueError naming the file and what is wrong."""
+    file = store.live_dir(path) / FILE
+    if not file.is_file():
+        return []
+    text = read_text(file)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{file}: not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("workflows"), list):
+        raise ValueError(f"{file}: not a {FORMAT} file")
+    return [_workflow(file, i, wf) for i, wf in enumerate(data["workflows"])]
+
+
+def _workflow(file: Path, index: int, rows) -> Workflow:
+    if isinstance(rows, list) and rows and all(_is_call(r) for r in rows):
+        return [(agent, ctx) for agent, ctx in rows]
+    raise ValueError(f"{file}: workflows.{index}: expected a non-empty list of [agent, context or null], "
+                     f"got {json.dumps(rows)[:80]}")
+
+
+def _is_call(row) -> bool:
+    return (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and row[0] != ""
+            and (row[1] is None or isinstance(row[1], str)))

@@ -1,0 +1,80 @@
+"""The workflows a served predictor learned from are saved with it and start the next server's
+learning window (`pbkv.predict.history`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pbkv.predict import load_predictor, save_predictor, train_predictor
+from pbkv.predict.history import FILE, MAX_CONTEXT_CHARS, read_history
+from pbkv.predict.online import OnlineLearner
+from pbkv.predict.store import live_dir
+from pbkv.serve.learning import build_policy, finish_learning
+from pbkv.trace import Call, Trace, TraceMeta
+
+FLOWS = [[("plan", "task: alpha"), ("code", None), ("review", "looks fine")], [("plan", None), ("review", None)]]
+
+
+@pytest.fixture(scope="module")
+def predictor():
+    calls = [Call(f"w{w}", s, a, 16, 1, [w * 10 + s], done=s == 2) for w in range(6)
+             for s, a in enumerate(["plan", "code", "review"])]
+    return train_predictor(Trace(TraceMeta(), calls), epochs=1, seed=0)
+
+
+def test_history_is_saved_with_its_version_and_read_back(predictor, tmp_path):
+    save_predictor(predictor, tmp_path / "p", history=FLOWS)
+    assert read_history(tmp_path / "p") == FLOWS
+    save_predictor(predictor, tmp_path / "p")                     # a version without one has none
+    assert read_history(tmp_path / "p") == []
+    assert not (live_dir(tmp_path / "p") / FILE).exists()
+
+
+def test_contexts_are_cut_to_what_the_featurizer_reads(predictor, tmp_path):
+    save_predictor(predictor, tmp_path / "p", history=[[("plan", "x" * (MAX_CONTEXT_CHARS + 50))]])
+    assert read_history(tmp_path / "p") == [[("plan", "x" * MAX_CONTEXT_CHARS)]]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("{", r"workflows.json: not JSON \(Expecting property name"),
+    ('{"format": "other", "workflows": []}', r"workflows.json: not a pbkv-workflows file"),
+    ('{"format": "pbkv-workflows", "workflows": [[["plan", 3]]]}',
+     r'workflows.json: workflows.0: expected a non-empty list of \[agent, context or null\], got \[\["plan", 3\]\]'),
+    ('{"format": "pbkv-workflows", "workflows": [[["plan", null]], []]}', r"workflows.1: expected a non-empty"),
+    ('{"format": "pbkv-workflows", "workflows": [[["", null]]]}', r"workflows.0: expected"),
+])
+def test_a_damaged_history_is_an_error_naming_the_file_and_entry(predictor, tmp_path, body, message):
+    save_predictor(predictor, tmp_path / "p", history=FLOWS)
+    (live_dir(tmp_path / "p") / FILE).write_text(body)
+    with pytest.raises(ValueError, match=message):
+        read_history(tmp_path / "p")
+    with pytest.raises(ValueError, match=message):                 # a server refuses to start on it
+        build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=True)
+
+
+def test_remembered_workflows_join_the_window_but_are_not_pending():
+    learner = OnlineLearner(every=2)
+    learner.add(["a", "b"], [None, "x"])
+    learner.remember(FLOWS)
+    assert learner.pending == 1 and learner.workflows() == [[("a", None), ("b", "x")], *FLOWS]
+    assert len({wf[0].workflow_id for wf in learner.window}) == 3  # each its own workflow
+
+
+def test_a_server_starts_its_window_with_the_saved_workflows_and_saves_them_again(predictor, tmp_path):
+    save_predictor(predictor, tmp_path / "p", history=FLOWS)
+    setup = build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=True)
+    assert setup.learner.workflows() == FLOWS and setup.learner.pending == 0
+    setup.learner.add(["plan", "review"], ["task: beta", None])
+    finish_learning(setup)                                         # too few for a retrain: kept, saved again
+    assert read_history(tmp_path / "p") == [*FLOWS, [("plan", "task: beta"), ("review", None)]]
+    assert json.loads((live_dir(tmp_path / "p") / "config.json").read_text())["info"] == predictor.info
+
+
+def test_without_online_learning_the_saved_workflows_are_kept(predictor, tmp_path):
+    save_predictor(predictor, tmp_path / "p", history=FLOWS)
+    setup = build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=False)
+    assert setup.learner is None
+    finish_learning(setup)
+    assert read_history(tmp_path / "p") == FLOWS and load_predictor(tmp_path / "p").agents == predictor.agents
