@@ -9,6 +9,8 @@ part, so the two engines differ only in how they admit, compute and move KV:
 - `EngineBase`: the driver API (`at`, `start_workflow`, `end_workflow`, `submit`), the policy
   hooks timed into `stats.policy_seconds`, `CallEvent`s, the FCFS waiting list, unpinning queued
   prefixes when nothing can run, and the "stuck" message;
+- `replace_policy`: a policy whose hook raised replaced by a fallback (`EngineBase.fallback`;
+  the vLLM connector's shadow uses it too);
 - `tokens_by_tier`: how many tokens a list of nodes holds in each tier. Per-tier hit counts
   (`Request.hits`, the real engine's `loaded_tokens`) add a fourth tier after the three local
   ones, "shared" (`HIT_TIERS`, index `SHARED`): a directory several engines read and write
@@ -44,6 +46,19 @@ def tokens_by_tier(nodes: list[Node]) -> list[int]:
     for n in nodes:
         out[n.tier] += n.tokens
     return out
+
+
+def replace_policy(cache: TieredCache, failed: Policy, fallback: Callable[[PolicyContext], Policy],
+                   clock: Callable[[], float], hook: str) -> Policy:
+    """A fresh `fallback(ctx)` in place of `failed`, whose `hook` just raised: the error is logged
+    with its traceback (call this from the `except` block), and the new policy is bound to `cache`
+    and ranks all of it (every node re-keyed). The caller keeps the returned policy and counts it;
+    `EngineBase.fallback` and the vLLM connector's `Shadow` share this."""
+    policy = fallback(PolicyContext(block_size=cache.tree.block_size))
+    log.exception("the %s policy failed in %s; ranking by %s from now on", failed.name, hook, policy.name)
+    policy.bind(cache, clock)
+    cache.replace_rules(policy)
+    return policy
 
 
 class EventQueue:
@@ -155,10 +170,7 @@ class EngineBase:
         return out
 
     def _fall_back(self, hook: str) -> None:
-        failed, self.policy = self.policy, self.fallback(PolicyContext(block_size=self.tree.block_size))
-        log.exception("the %s policy failed in %s; ranking by %s from now on", failed.name, hook, self.policy.name)
-        self.policy.bind(self.cache, self._clock)
-        self.cache.replace_rules(self.policy)
+        self.policy = replace_policy(self.cache, self.policy, self.fallback, self._clock, hook)
         self._stats.policy_fallbacks += 1
 
     def _event(self, req: Request, node: Node | None) -> CallEvent:

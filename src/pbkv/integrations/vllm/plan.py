@@ -28,7 +28,7 @@ class Plan:
 
 @dataclass
 class Stats:
-    """Token counters since start (prompt tokens, by where their KV came from)."""
+    """Counters since start: prompt tokens by where their KV came from, and policy fallbacks."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -38,6 +38,7 @@ class Stats:
     shared_hit_tokens: int = 0   # loaded from the directory shared with other instances
     saved_tokens: int = 0
     gpu_demoted_blocks: int = 0  # blocks moved to the head of vLLM's free queue (gpu_pool.py)
+    policy_fallbacks: int = 0    # policies replaced by LRU after a hook raised (shadow.Shadow._hook)
 
     @property
     def computed_tokens(self) -> int:

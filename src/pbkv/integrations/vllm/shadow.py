@@ -19,7 +19,11 @@ Invariants:
   then saves (after it). A node whose save is in the current plan stays locked until the next
   plan is built, so it is never moved or dropped before its data exists;
 - a running request holds a lock on its cached path (vLLM holds those blocks too);
-- every tier change the tree records becomes a worker op (`plan.PlanOps` is the tree's `Storage`).
+- every tier change the tree records becomes a worker op (`plan.PlanOps` is the tree's `Storage`);
+- a policy hook that raises never reaches vLLM (it would fail every request): the shadow logs
+  it once, ranks by a fresh `fallback` policy (LRU) for the rest of its life, runs the hook
+  again on it, and counts it in `Stats.policy_fallbacks` (`pbkv.engine.base.replace_policy`,
+  as a pbkv server does).
 Requests without hints are workflows of their own (see `hints.py`).
 """
 
@@ -29,9 +33,11 @@ import time
 from dataclasses import dataclass, field
 
 from pbkv.cache import Capacities, Node, RadixTree, Tier, TieredCache
+from pbkv.engine.base import replace_policy
 from pbkv.integrations.vllm.hints import Hints
 from pbkv.integrations.vllm.plan import Plan, PlanOps, Stats
 from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest, make_policy
+from pbkv.policy.lru import LRUPolicy
 
 
 @dataclass
@@ -52,11 +58,15 @@ class _Req:
 
 
 class Shadow:
-    """pbkv's cache spine for one vLLM scheduler. See the module docstring."""
+    """pbkv's cache spine for one vLLM scheduler. See the module docstring.
+
+    `fallback`: the policy factory that replaces one whose hook raised (None: the error
+    propagates, as a test may want). Invariant: every policy event hook runs through `_hook`."""
 
     def __init__(self, block_size: int, capacities: Capacities, policy: str = "lru",
-                 predictors: dict | None = None, clock=time.monotonic, shared=None):
+                 predictors: dict | None = None, clock=time.monotonic, shared=None, fallback=LRUPolicy):
         self.block_size = block_size
+        self.fallback = fallback
         self.shared = shared    # a `shared.SharedBlocks` over every rank's files, or None
         self.clock = clock
         ctx = PolicyContext(block_size=block_size, predictors=predictors or {})
@@ -166,12 +176,29 @@ class Shadow:
                 self.cache.refresh(n)
         event = CallEvent(st.workflow, st.hints.agent, self._steps.get(st.workflow, 0), None,
                           node or self.tree.root, now)
-        self.policy.on_call_end(event)
+        self._hook("on_call_end", event)
         if st.hints.done or st.workflow in self._ending:
             self._end(st)
         self._prefetch(now)
 
     # ------------------------------------------------------------------ internals
+
+    def _hook(self, name: str, *args):
+        """The policy's hook `name` on `args`; if it raises (and `fallback` is set), the policy
+        is replaced and the hook runs again on the new one."""
+        try:
+            return getattr(self.policy, name)(*args)
+        except Exception:
+            if self.fallback is None:
+                raise
+            self._fall_back(name)
+        return getattr(self.policy, name)(*args)   # outside the except: a second error is not chained to the first
+
+    def _fall_back(self, hook: str) -> None:
+        """Called from an `except` block. The failed policy is never asked again, so it is
+        replaced (and counted) once; the re-run on the fallback is not guarded: its error propagates."""
+        self.policy = replace_policy(self.cache, self.policy, self.fallback, self.clock, hook)
+        self.stats.policy_fallbacks += 1
 
     def _start(self, req_id: str, keys: list[int], prompt_tokens: int, hints: Hints) -> None:
         wf = self.workflows.get(hints.workflow_id) if hints.hinted else None
@@ -180,11 +207,11 @@ class Shadow:
             self._next_wf += 1
             if hints.hinted:
                 self.workflows[hints.workflow_id] = wf
-            self.policy.on_workflow_start(wf, hints.workflow_id or f"request-{req_id}")
+            self._hook("on_workflow_start", wf, hints.workflow_id or f"request-{req_id}")
         st = self.reqs[req_id] = _Req(keys, wf, hints, prompt_tokens)
         step = self._steps[wf] = self._steps.get(wf, -1) + 1
         node, _ = self.tree.match(keys)
-        self.policy.on_call_start(CallEvent(wf, hints.agent, step, None, node, self.clock()))
+        self._hook("on_call_start", CallEvent(wf, hints.agent, step, None, node, self.clock()))
         st.counted = False
 
     def _end(self, st: _Req) -> None:
@@ -193,7 +220,7 @@ class Shadow:
             return
         self._ending.discard(st.workflow)
         nodes = self.cache.end_workflow(st.workflow)
-        self.policy.on_workflow_end(st.workflow, nodes)
+        self._hook("on_workflow_end", st.workflow, nodes)
         self._steps.pop(st.workflow, None)
         if st.hints.hinted:
             self.workflows.pop(st.hints.workflow_id, None)
@@ -245,7 +272,7 @@ class Shadow:
         free = self.cache.free(Tier.HOST)
         if free <= 0:
             return
-        for node in self.policy.prefetch(PrefetchRequest(free, free, now)):
+        for node in self._hook("prefetch", PrefetchRequest(free, free, now)):
             path = [n for n in node.path() if n.tier == Tier.DISK]
             if not path or not node.alive:
                 continue
