@@ -2,8 +2,9 @@
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /metrics, POST /v1/workflows/{id}/end. Every route but /health needs the API key when one is
-set. Every error (ours, Starlette's 404/405, an unexpected exception) leaves as the OpenAI error
-shape (`errors.py`); the app never lets one request's failure stop the server.
+set. Every error (ours, Starlette's 404/405, an unexpected exception, a request cut off by
+graceful shutdown's timeout) leaves as the OpenAI error shape (`errors.py`); the app never lets
+one request's failure stop the server.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from starlette.responses import JSONResponse, Response
 
 from pbkv.serve import schemas
 from pbkv.serve.auth import check_api_key, header_hint, read_json
-from pbkv.serve.errors import INVALID, APIError, bad_request, error_body, model_not_found, pydantic_errors
+from pbkv.serve.errors import (INVALID, APIError, bad_request, error_body, model_not_found, pydantic_errors,
+                               send_error, shutting_down)
 from pbkv.serve.gauges import engine_snapshot
 from pbkv.serve.limits import BodyTimeout
 from pbkv.serve.generate import CLIENT_GONE, prepare, respond
@@ -84,6 +86,37 @@ class CountRequests:
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
+class AnswerCancelled:
+    """Pure ASGI middleware: a request cancelled before its answer started gets a 503
+    `server_shutting_down` (OpenAI shape), not uvicorn's plain-text 500.
+
+    uvicorn cancels a request's task only when graceful shutdown's timeout expires (a client that
+    leaves is seen through `receive()`, never by cancellation), and the route's own cleanup has
+    run by then (its job is cancelled on the engine). An answer already started cannot be
+    replaced: then the cancellation goes on and uvicorn closes the connection."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_started(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_started)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            # not re-raised: this is the request task's last step, nothing after it needs to see
+            # the cancellation, and uvicorn would answer a cancelled task with a plain-text 500
+            await send_error(send, shutting_down())
+
+
 def _hints(request: Request, body: schemas._Common) -> Hints:
     """The call's workflow hints: body fields first, then the headers `X-Workflow-Id`, `X-Agent`."""
     workflow_id, agent = header_hint(request, "x-workflow-id"), header_hint(request, "x-agent")  # both checked
@@ -103,7 +136,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state
     app.add_middleware(BodyTimeout, seconds=state.config.body_timeout)
-    app.add_middleware(CountRequests, metrics=state.metrics)   # added last: outermost, counts the 408s too
+    app.add_middleware(AnswerCancelled)   # outside BodyTimeout: a request still sending its body is answered too
+    app.add_middleware(CountRequests, metrics=state.metrics)   # added last: outermost, counts the 408s and 503s too
     _error_handlers(app)
     _info_routes(app, state)
     _completion_routes(app, state)

@@ -6,11 +6,16 @@ Shape (what the `openai` client parses into `APIStatusError.body`):
 
 Invariant: a request can never make the server answer with a stack trace or a 500 for a mistake of
 its own; `APIError` is raised for those and turned into this shape by one exception handler.
+Answers given outside the routes (the connection limit, graceful shutdown, bytes uvicorn cannot
+parse) use the same shape: `send_error` writes an `APIError` as ASGI messages, `raw_response` as
+the bytes of a whole HTTP/1.1 response (for a protocol that answers before any app runs).
 """
 
 from __future__ import annotations
 
+import json
 import re
+from http import HTTPStatus
 
 INVALID = "invalid_request_error"
 
@@ -54,6 +59,42 @@ def too_large(limit: int) -> APIError:
 def overloaded(depth: int) -> APIError:
     return APIError(429, f"The server has {depth} requests queued (its limit); retry later.",
                     "rate_limit_error", None, "queue_full", headers={"Retry-After": "1"})
+
+
+def too_many_connections() -> APIError:
+    return APIError(503, "The server has as many open connections as it allows; retry later.", "server_error",
+                    None, "too_many_connections", headers={"Retry-After": "1", "Connection": "close"})
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down and stopped this request before answering it; retry "
+                    "later.", "server_error", None, "server_shutting_down", headers={"Connection": "close"})
+
+
+def invalid_http() -> APIError:
+    return APIError(400, "The request is not valid HTTP/1.1 (its request line, headers or body framing).",
+                    INVALID, None, "invalid_http_request", headers={"Connection": "close"})
+
+
+def _encoded(err: APIError) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """`err`'s JSON body and its headers (lower-case names, as ASGI servers compare them)."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    return body, headers + [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+
+
+async def send_error(send, err: APIError) -> None:
+    """Answer `err` through an ASGI `send` (no response may have started on it)."""
+    body, headers = _encoded(err)
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def raw_response(err: APIError) -> bytes:
+    """`err` as a whole HTTP/1.1 response, to write on a connection that no app answers."""
+    body, headers = _encoded(err)
+    head = b"HTTP/1.1 %d %s\r\n" % (err.status, HTTPStatus(err.status).phrase.encode())
+    return head + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n" + body
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")  # pydantic's union-branch names

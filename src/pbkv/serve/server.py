@@ -52,7 +52,7 @@ class ServeConfig:
     max_tokens_limit: int = 1024
     default_max_tokens: int = 256
     max_queue: int = 1024
-    max_connections: int = 2048          # open connections + running requests; above: 503 (uvicorn)
+    max_connections: int = 2048          # open connections + running requests; above: 503 (serve/limits.py)
     header_timeout: float = 10.0         # seconds to send a request's headers (serve/limits.py)
     body_timeout: float = 30.0           # seconds to send a request's body after its headers (408)
     keep_alive: float = 5.0              # seconds an idle kept-alive connection stays open
