@@ -126,12 +126,23 @@ def first_read(plan: list[tuple], readers, scale: list[float] | None = None) -> 
     """(sum_k f_k t_k, p = sum_k f_k) of the first call in `plan` ([(t_k, s_k, P_k)]) whose agent
     is one of `readers`: f_k = (1 - p before k) * s_k * sum_{b in readers} P_k[b], each chance
     times scale[k] when given (staleness at call k, `NextUse._read`)."""
+    return first_read_of(plan, reader_shares(plan, readers), scale)
+
+
+def reader_shares(plan: list[tuple], readers) -> list[float]:
+    """Per call k of `plan`: sum_{b in readers} P_k[b], summed in the order `readers` iterates."""
+    return [sum([row[b] for b in readers]) for _, _, row in plan]
+
+
+def first_read_of(plan: list[tuple], shares: list[float], scale: list[float] | None = None) -> tuple[float, float]:
+    """`first_read` with the readers' shares of each call (`reader_shares`) given: `_read` asks
+    for the same readers at many staleness states (the same float operations, in the same order)."""
     none, weighted, p = 1.0, 0.0, 0.0
-    for k, (issue, s, row) in enumerate(plan):
+    for k, (issue, s, _) in enumerate(plan):
         f = none * s
         if scale is not None:
             f *= scale[k]
-        f *= sum(row[b] for b in readers)
+        f *= shares[k]
         weighted += f * issue
         p += f
         none -= f
@@ -155,6 +166,9 @@ class NextUse:
         # staleness tables and readers it read may move meanwhile with other workflows' calls,
         # which a node's key then follows one call late (policy time: `_read` runs per key)
         self.reads: dict[int, dict] = {}
+        # workflow -> what `_read` derives from its plan alone, by node mask (the readers'
+        # shares) and by the block's agent class (its expected calls); dropped with `reads`
+        self.shares: dict[int, tuple[dict, dict]] = {}
         self._groups_memo = None                 # (classes list, readers' version, _groups() of it)
 
     def _groups(self) -> list[list[int]]:
@@ -195,9 +209,9 @@ class NextUse:
         plan = []
         for k in range(steps):
             row, s = [float(x) for x in probs[k]], float(survival[k])   # floats once, not per use
-            issue = t + sum(row[a] * wait[a] for a in range(n))
+            issue = t + sum([row[a] * wait[a] for a in range(n)])   # lists: faster than generators, same sums
             plan.append((issue, s, row))
-            t = issue + sum(row[a] * dur[a] for a in range(n))
+            t = issue + sum([row[a] * dur[a] for a in range(n)])
         last = float(survival[steps - 1]) if steps else 0.0
         far = t + timing.step / max(last, 0.05)   # "not within the horizon" (a dying workflow: later)
         when, prob = [0.0] * n, [0.0] * n
@@ -211,6 +225,7 @@ class NextUse:
         self.at[workflow] = now
         self.plan[workflow] = (plan, far)
         self.reads.pop(workflow, None)
+        self.shares.pop(workflow, None)
         return self._refresh_classes(workflow)
 
     def remove(self, workflow: int) -> list[int]:
@@ -222,6 +237,7 @@ class NextUse:
         self.at.pop(workflow, None)
         self.plan.pop(workflow, None)
         self.reads.pop(workflow, None)
+        self.shares.pop(workflow, None)
         return self._refresh_classes(workflow)
 
     def of(self, node: Node) -> tuple[float, float]:
@@ -288,21 +304,43 @@ class NextUse:
         if hit is not None:
             return hit
         key, a0, c0 = found
-        scores = self.scores
-        groups = self._groups()
-        readers = set()
-        for c in scores._classes_in(mask):
-            readers.update(groups[c])
-        own = scores.class_of(key[0])
-        table = self.stale.table(key)
         plan, far = self.plan[w]
-        scale, calls = [], 0.0
-        for k, (_, s, row) in enumerate(plan):
-            scale.append(table[bucket(a0 + int(calls + 0.5)) * BUCKETS + bucket(c0 + k)])
-            calls += s * row[own]
-        when, p = first_read(plan, readers, scale)
+        table = self.stale.table(key)
+        by_mask, by_own = self.shares.setdefault(w, ({}, {}))
+        passed = self._own_calls(by_own, plan, self.scores.class_of(key[0]))
+        scale = [table[bucket(a0 + passed[k]) * BUCKETS + bucket(c0 + k)] for k in range(len(plan))]
+        when, p = first_read_of(plan, self._mask_shares(by_mask, plan, mask), scale)
         result = memo[(found, mask)] = (effective_time(self.at[w], when, p, far), p)
         return result
+
+    def _mask_shares(self, by_mask: dict, plan: list[tuple], mask: int) -> list[float]:
+        """`reader_shares` of the readers of the classes in `mask`, kept in `by_mask` while the
+        readers and the mask's classes are the same objects (the set is then built, and so
+        iterated, exactly as anew)."""
+        groups = self._groups()
+        classes = self.scores._classes_in(mask)
+        kept = by_mask.get(mask)
+        if kept is not None and kept[0] is groups and kept[1] is classes:
+            return kept[2]
+        readers = set()
+        for c in classes:
+            readers.update(groups[c])
+        shares = reader_shares(plan, readers)
+        by_mask[mask] = (groups, classes, shares)
+        return shares
+
+    @staticmethod
+    def _own_calls(by_own: dict, plan: list[tuple], own: int) -> list[int]:
+        """Per call k of `plan`: the expected calls of class `own` among the k before, rounded
+        (kept in `by_own`)."""
+        kept = by_own.get(own)
+        if kept is None:
+            kept, calls = [], 0.0
+            for _, s, row in plan:
+                kept.append(int(calls + 0.5))
+                calls += s * row[own]
+            by_own[own] = kept
+        return kept
 
     @property
     def first(self) -> list[float]:

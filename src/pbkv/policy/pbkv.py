@@ -102,6 +102,7 @@ class PBKVPolicy(Policy):
     def bind(self, cache, clock=None) -> None:
         super().bind(cache, clock)
         self.scores.bind(cache.tree.agent_ids)
+        self.ahead.bind(cache.tree)
 
     # ---------------------------------------------------------------- ranking
 
@@ -230,6 +231,7 @@ class PBKVPolicy(Policy):
         self.hiddens.pop(workflow, None)
         self.predictions.pop(workflow, None)
         self.version.pop(workflow, None)
+        self.ahead.ended(workflow, nodes)
         for node in nodes:
             if node.tier == Tier.DEVICE and self.scores.is_retired(node):
                 self.ahead.retire(node)

@@ -20,11 +20,20 @@ Two kinds of load, the certain ones first:
 Invariant: `plan` counts only nodes that qualify when it runs: a node in `retired` was a retired
 device node when added and one in `offloaded` was evicted below the device; each is re-checked
 when a scan meets it (dropped, loaded back, locked or no longer retired nodes are removed then).
+An offloaded node the scan finds untagged and not common is parked in `dormant` (most offloaded
+nodes are retired cache, and the scan runs at every decode-only batch): untagged, its
+`seen_workflows` cannot grow and the common threshold never falls, so it cannot qualify until a
+workflow tags it. A tag adds it to the tree's `workflow_nodes[w]`, which only grows while w
+lives: each scan first wakes (moves back to `offloaded`) the dormant nodes among the entries
+added since the last scan, and a workflow's end wakes those it tagged (`ended`). Eviction wakes
+a node too. So the candidates are exactly those a scan of every offloaded node would find.
 A queued prefix is held from its call's arrival to its end, and offered only while it is alive,
 unlocked and not on the device.
 """
 
 from __future__ import annotations
+
+from itertools import islice
 
 from pbkv.cache import Node, Tier
 from pbkv.policy import conservative_prefetch
@@ -39,8 +48,16 @@ class PrefetchCandidates:
         self.version = version                   # workflow -> count of its predictions (memo stamp)
         self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
         self.offloaded: dict[int, Node] = {}     # nodes evicted below the device
+        self.dormant: dict[int, Node] = {}       # offloaded nodes found untagged and not common
+        self.swept = 0                           # len(dormant) after its last sweep
+        self.tags: dict[int, dict[int, Node]] = {}  # the tree's workflow -> nodes it tagged (`bind`)
+        self.marks: dict[int, tuple[dict, int]] = {}  # workflow -> (its `tags` entry, entries seen)
         self.queued: dict[int, tuple[float, Node]] = {}  # workflow -> (arrival, its prompt's cached node then)
         self.on_node: dict[int, dict[int, float]] = {}   # node id -> {workflow: arrival}: `queued` by node
+
+    def bind(self, tree) -> None:
+        """Read the tags of `tree` (the cache's radix tree): new tags wake dormant nodes."""
+        self.tags = tree.workflow_nodes
 
     def arrived(self, workflow: int, now: float, node: Node) -> None:
         """A call of `workflow` arrived; `node` is the deepest cached node of its prompt (the
@@ -60,9 +77,12 @@ class PrefetchCandidates:
     def waiting(self) -> list[Node]:
         """Queued prefixes below the device, earliest arrival first (a call with nothing cached
         holds the root, which is on the device and locked: never offered)."""
+        device = Tier.DEVICE
+        below = [(at, w, node) for w, (at, node) in self.queued.items()  # filtered before sorting:
+                 if node.alive and node.tier != device and node.lock == 0]  # most are on the device
         chosen, seen = [], set()
-        for _, (_, node) in sorted(self.queued.items(), key=lambda item: (item[1][0], item[0])):
-            if node.alive and node.tier != Tier.DEVICE and node.lock == 0 and node.id not in seen:
+        for _, _, node in sorted(below, key=lambda item: (item[0], item[1])):
+            if node.id not in seen:
                 seen.add(node.id)
                 chosen.append(node)
         return chosen
@@ -75,7 +95,19 @@ class PrefetchCandidates:
     def evicted(self, node: Node, dst: Tier | None) -> None:
         self.retired.pop(node.id, None)
         if dst is not None and node.alive:
+            self.dormant.pop(node.id, None)
             self.offloaded[node.id] = node
+
+    def ended(self, workflow: int, nodes: list[Node]) -> None:
+        """`workflow` ended; `nodes`: the live nodes it tagged. A dormant one may be common now
+        (its tag counted it in `seen_workflows`, and the tree no longer lists it under the
+        workflow for `_wake` to find)."""
+        self.marks.pop(workflow, None)
+        dormant = self.dormant
+        if dormant:
+            for node in nodes:
+                if node.id in dormant:
+                    self.offloaded[node.id] = dormant.pop(node.id)
 
     def retire(self, node: Node) -> None:
         """`node`, on the device, is now private to ended workflows only."""
@@ -90,17 +122,57 @@ class PrefetchCandidates:
 
     def _speculative(self, request: PrefetchRequest) -> list[Node]:
         space = request.free_tokens + self.retired_device_tokens()
-        if space <= 0 or not self.offloaded:
+        if space <= 0:
             return []
-        candidates, gone, common = [], [], self.scores.common_threshold()
+        candidates = [(self.value(node), node) for node in self.candidates()]
+        if not candidates:
+            return []
+        return conservative_prefetch.plan(candidates, request.budget_tokens, space)
+
+    def candidates(self) -> list[Node]:
+        """The offloaded nodes that qualify now: alive, below the device, tagged or common (in
+        no particular order: `conservative_prefetch.plan` orders them by value, then node)."""
+        self._wake()
+        chosen, gone, parked, common = [], [], [], self.scores.common_threshold()
+        device = Tier.DEVICE
         for node_id, node in self.offloaded.items():
-            if not node.alive or node.tier == Tier.DEVICE:
+            if not node.alive or node.tier == device:
                 gone.append(node_id)
             elif node.wf_agents or node.seen_workflows >= common:  # tagged, or `is_common`
-                candidates.append((self.value(node), node))
+                chosen.append(node)
+            else:
+                parked.append(node_id)
         for node_id in gone:
             del self.offloaded[node_id]
-        return conservative_prefetch.plan(candidates, request.budget_tokens, space)
+        self._park(parked)
+        return chosen
+
+    def _wake(self) -> None:
+        """Move back to `offloaded` the dormant nodes tagged since the last scan: the entries
+        each live workflow's `tags` gained since then (a workflow id used again gets a new
+        dict, seen from its start)."""
+        dormant, marks = self.dormant, self.marks
+        for workflow, nodes in self.tags.items():
+            mark = marks.get(workflow)
+            seen = mark[1] if mark is not None and mark[0] is nodes else 0
+            if len(nodes) == seen:
+                continue
+            marks[workflow] = (nodes, len(nodes))
+            if dormant:
+                for node_id in islice(nodes, seen, None):
+                    if node_id in dormant:
+                        self.offloaded[node_id] = dormant.pop(node_id)
+
+    def _park(self, node_ids: list[int]) -> None:
+        """Move untagged, uncommon offloaded nodes to `dormant`; sweep out the dropped and the
+        loaded back once it has doubled (they never qualify again unless evicted: `evicted`)."""
+        offloaded, dormant = self.offloaded, self.dormant
+        for node_id in node_ids:
+            dormant[node_id] = offloaded.pop(node_id)
+        if len(dormant) > 2 * self.swept + 1024:
+            device = Tier.DEVICE
+            self.dormant = {i: n for i, n in dormant.items() if n.alive and n.tier != device}
+            self.swept = len(self.dormant)
 
     def value(self, node: Node) -> float:
         """`scores.one_step` of a node, times its staleness for nodes that are not common;
@@ -121,9 +193,10 @@ class PrefetchCandidates:
 
     def retired_device_tokens(self) -> int:
         total, gone, common = 0, [], self.scores.common_threshold()
+        device = Tier.DEVICE                     # a local: an enum member lookup per node costs more than the test
         for node_id, node in self.retired.items():
             # `scores.is_retired`, inlined: the scan runs at every decode-only batch
-            if (node.alive and node.tier == Tier.DEVICE and node.lock == 0 and node.seen_workflows > 0
+            if (node.alive and node.tier == device and node.lock == 0 and node.seen_workflows > 0
                     and not node.wf_agents and node.seen_workflows < common):
                 total += node.tokens
             else:

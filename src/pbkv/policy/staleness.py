@@ -103,27 +103,40 @@ class Staleness:
         then = self.agent_calls[workflow][agent]
         once, again = (now, then, (agent, 1)), (now, then, (agent, 2))
         seen = self.blocks.setdefault(workflow, {})
-        groups = self.groups.setdefault(workflow, Counter())
-        sent = self.sent.setdefault(workflow, Counter())
         origin = self.origin.setdefault(workflow, {})
+        shared, readers = self.shared, self.readers
+        new, resent = 0, Counter()               # blocks first sent now; sent again, by previous group
         for b in blocks:
             last = seen.get(b)
             if last is None:
                 seen[b] = once
-                groups[once] += 1
+                new += 1
                 origin[b] = agent
-                if self.shared.sent(workflow, b):
-                    self.readers.shared(b)       # it evidenced no reading: take it back
+                if shared.sent(workflow, b):
+                    readers.shared(b)            # it evidenced no reading: take it back
             elif last[0] != now:                 # not this call's own block: read again
                 first = origin[b]
-                if first != agent and not self.shared.is_shared(b):
-                    self.readers.read(b, first, agent)
-                groups[last] -= 1
-                if not groups[last]:
-                    del groups[last]
-                sent[last] += 1
+                if first != agent and not shared.is_shared(b):
+                    readers.read(b, first, agent)
+                resent[last] += 1
                 seen[b] = again
-                groups[again] += 1
+        self._regroup(workflow, once, new, again, resent)
+
+    def _regroup(self, workflow: int, once: tuple, new: int, again: tuple, resent: Counter) -> None:
+        """Move the group counts `add` gathered: `new` blocks into `once`, the `resent` ones
+        from their previous groups into `again` (counted once per call, not per block: nothing
+        reads the groups until the call is closed)."""
+        groups = self.groups.setdefault(workflow, Counter())
+        sent = self.sent.setdefault(workflow, Counter())
+        if new:
+            groups[once] += new
+        for last, n in resent.items():
+            groups[last] -= n
+            if not groups[last]:
+                del groups[last]
+            sent[last] += n
+        if resent:
+            groups[again] += sum(resent.values())
 
     def _close(self, workflow: int) -> None:
         """The workflow's latest call u is complete: count it as a chance for every group of
