@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, check_outputs, console,
                              exit_on_error, fail, output_file, output_opt, save_json)
@@ -134,16 +135,18 @@ def trace_import_cmd(
         min=1, help="Tokens per id in FILE (default: mooncake 512, bailian 16; required for agentic-mooncake).")] = None,
 ):
     """Convert a Mooncake, Qwen-Bailian or Dynamo agentic-mooncake trace to pbkv's format."""
-    from pbkv.trace.formats import import_file
+    from pbkv.trace.formats import OptionError, import_file
 
     check_outputs([source], {"-o": output})
 
     with exit_on_error():
-        trace, report = import_file(fmt, source, output, limit=limit, block_size=block_size,
-                                    source_block_size=source_block_size)
+        try:
+            trace, report = import_file(fmt, source, output, limit=limit, block_size=block_size,
+                                        source_block_size=source_block_size)
+        except OptionError as e:  # an unknown --from, a missing --source-block-size: the command line's fault
+            fail(str(e))
     console.print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
-    for note in report.notes:
-        console.print(f"note: {note}")
+    print_notes(report.notes)
 
 
 @trace_app.command("export")
@@ -153,12 +156,21 @@ def trace_export_cmd(
     output: output_opt("the exported file (.jsonl; .jsonl.gz compresses)"),
 ):
     """Write a pbkv trace in a format other replay tools read (Dynamo's agentic-mooncake)."""
-    from pbkv.trace.formats import export_file
+    from pbkv.trace.formats import OptionError, export_file
 
     check_outputs([file], {"-o": output})
 
     with exit_on_error():
-        report = export_file(fmt, file, output)
+        try:
+            report = export_file(fmt, file, output)
+        except OptionError as e:  # an unknown --to: the command line's fault
+            fail(str(e))
     console.print(report.summary(output))
-    for note in report.notes:
-        console.print(f"note: {note}")
+    print_notes(report.notes)
+
+
+def print_notes(notes: list[str]) -> None:
+    """One `note:` line each, taken literally: notes quote names from the file (sessions, keys),
+    which rich would otherwise read as markup (`[red]`)."""
+    for note in notes:
+        console.print(f"note: {escape(note)}")

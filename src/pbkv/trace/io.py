@@ -93,6 +93,29 @@ class RowChecker:
         return float(v)
 
 
+def _non_finite(value) -> bool:
+    """Whether a JSON value holds NaN or an infinity anywhere (Python's json reads `NaN`,
+    `Infinity` and `1e999`, but they are not JSON: written back, no strict reader takes them)."""
+    stack = [value]
+    while stack:  # a loop, not recursion: a value may be nested as deep as the parser allows
+        v = stack.pop()
+        if isinstance(v, float) and not math.isfinite(v):
+            return True
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
+def check_extra(chk: RowChecker, extra: dict) -> dict:
+    """`extra` (the keys the format does not name), refused when a value holds a non-finite number."""
+    for k, v in extra.items():
+        if _non_finite(v):
+            chk.fail(k, "expected JSON numbers to be finite (NaN and Infinity are not JSON)")
+    return extra
+
+
 def parse_meta(obj: dict, where: str) -> TraceMeta:
     chk = RowChecker(where, obj)
     version = obj.get("pbkv_trace")
@@ -100,7 +123,7 @@ def parse_meta(obj: dict, where: str) -> TraceMeta:
         chk.fail("pbkv_trace", "only trace format version 1 is supported")
     bs = chk.int_field("block_size", 1, required=False) or DEFAULT_BLOCK_SIZE
     fields = {k: chk.str_field(k, required=False, nonempty=False) for k in ("source", "license", "notes")}
-    extra = {k: v for k, v in obj.items() if k not in META_FIELDS and k != "pbkv_trace"}
+    extra = check_extra(chk, {k: v for k, v in obj.items() if k not in META_FIELDS and k != "pbkv_trace"})
     return TraceMeta(block_size=bs, extra=extra, **fields)
 
 
@@ -124,11 +147,11 @@ def parse_call(obj: dict, where: str, block_size: int) -> Call:
         chk.fail("done", "expected true or false")
     context = chk.str_field("context", required=False, nonempty=False)
     workload = chk.str_field("workload", required=False)
-    extra = {k: v for k, v in obj.items() if k not in CALL_FIELDS}
+    t, tool_wait = chk.float_field("t"), chk.float_field("tool_wait")
+    extra = check_extra(chk, {k: v for k, v in obj.items() if k not in CALL_FIELDS})  # checked last
     return Call(workflow_id=wf, step=step, agent=agent, input_length=input_length,
                 output_length=output_length, hash_ids=hash_ids, workload=workload,
-                t=chk.float_field("t"), tool_wait=chk.float_field("tool_wait"),
-                context=context, done=done, extra=extra)
+                t=t, tool_wait=tool_wait, context=context, done=done, extra=extra)
 
 
 class _CrossLineChecks:
@@ -238,9 +261,11 @@ def meta_to_dict(meta: TraceMeta) -> dict:
 
 
 def iter_lines(trace: Trace) -> Iterable[str]:
-    yield json.dumps(meta_to_dict(trace.meta), separators=(",", ":"))
+    """The file's lines. allow_nan=False: a NaN put into an in-memory trace raises ValueError
+    instead of writing a line that no reader (ours included) accepts."""
+    yield json.dumps(meta_to_dict(trace.meta), separators=(",", ":"), allow_nan=False)
     for call in trace.calls:
-        yield json.dumps(call_to_dict(call), separators=(",", ":"))
+        yield json.dumps(call_to_dict(call), separators=(",", ":"), allow_nan=False)
 
 
 def write_trace(trace: Trace, path: str | Path) -> Path:

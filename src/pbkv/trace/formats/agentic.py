@@ -16,16 +16,25 @@ Every edge other than "previous row of the same session -> next row" is reported
 `spawn` (into another session's first row), `join` (into a later row of another session), `skip`
 (same session, not consecutive) or `dangling` (a row cut by `--limit`). The agent is the row's
 `agent` field when present (pbkv's export writes it), else `subagent` for a session spawned by
-another one and `main` otherwise.
+another one and `main` otherwise. A row without `session_id` is its own trajectory, a workflow
+named by its `request_id` (`<request_id>#<k>` when a `session_id` of the file is that id, so it
+joins no other session). A row that waits for itself is an error (Dynamo's replay would deadlock).
+When `--limit` stops before the end of the file, no session's last kept row gets `done`.
+
+The export writes `delay_ms` (where the import keeps `delay`) back as `delay`, refusing a value
+that is not a finite number >= 0; `context` and other extra keys have no field in these rows and
+are not written (a note counts them).
 """
 
 from __future__ import annotations
 
 import json
-from typing import IO
+from typing import IO, Callable
 
 from pbkv.trace.call import Call, Trace
-from pbkv.trace.formats.base import Edge, ExportReport, ImportReport, Row, lengths_and_ids, number, str_list
+from pbkv.trace.formats.base import (Edge, ExportReport, ImportReport, Row, lengths_and_ids, number, session_done,
+                                     str_list)
+from pbkv.trace.io import RowChecker, is_number, show_value
 
 BLOCK_SIZE = None  # not recorded in the files
 
@@ -42,24 +51,28 @@ def _parse(row: Row, block_size: int) -> dict:
         chk.fail("prefix_reset", "expected true or false")
     if not out["wait_for"] and out["timestamp"] is None:
         chk.fail("timestamp", "required on a row without wait_for (it is the row's start time)")
+    if out["request_id"] in out["wait_for"]:  # Dynamo's replay would wait forever for this row
+        chk.fail("wait_for", f"names the row's own request_id {out['request_id']!r}: a row cannot wait for "
+                             f"itself (a deadlock in Dynamo's replay)")
     out["lengths"] = lengths_and_ids(chk, block_size)
     return out
 
 
 def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
     """One workflow per session, steps in file order; DAG edges beyond the sequence are reported."""
-    parsed, where, place = [], {}, {}  # where: request_id -> row; place: request_id -> (session, step)
-    steps: dict[str, int] = {}
+    parsed, where = [], {}  # where: request_id -> row
     for row in rows:
         p = _parse(row, block_size)
         rid = p["request_id"]
         if rid in where:
             row.chk.fail("request_id", f"duplicate request_id (first at line {where[rid].line})")
-        session = p["session_id"] or rid  # a row without a session is its own trajectory
-        place[rid] = (session, steps.get(session, 0))
-        steps[session] = place[rid][1] + 1
         where[rid] = row
         parsed.append(p)
+    place: dict[str, tuple[str, int]] = {}  # request_id -> (session, step)
+    steps: dict[str, int] = {}
+    for p, session in zip(parsed, _sessions(parsed, report)):
+        place[p["request_id"]] = (session, steps.get(session, 0))
+        steps[session] = place[p["request_id"]][1] + 1
     spawned = _edges(parsed, where, place, report)
     calls = []
     for p in parsed:
@@ -71,9 +84,34 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
             workload=p["workload"] or "agentic-mooncake", input_length=input_length,
             output_length=output_length, hash_ids=ids,
             t=None if p["timestamp"] is None else p["timestamp"] / 1000.0,
-            tool_wait=sum(waits) / 1000.0 if step and waits else None, done=step == steps[session] - 1,
+            tool_wait=sum(waits) / 1000.0 if step and waits else None,
+            done=session_done(step == steps[session] - 1, report),
             extra={"delay_ms": p["delay"]} if step and p["delay"] else {}))
     return calls
+
+
+def _sessions(parsed: list[dict], report: ImportReport) -> list[str]:
+    """The session (workflow id) of each row. A row without `session_id` is its own trajectory,
+    named by its request_id, unless some row's `session_id` is that id: it would silently join
+    that session, so it is named `<request_id>#<k>` with the least k >= 1 that neither a
+    `session_id` nor another row's name uses. Invariant: distinct trajectories get distinct names."""
+    named = {p["session_id"] for p in parsed if p["session_id"]}
+    taken = named | {p["request_id"] for p in parsed if not p["session_id"]}
+    out, renamed = [], []
+    for p in parsed:
+        name = p["session_id"] or p["request_id"]
+        if not p["session_id"] and name in named:
+            k = 1
+            while f"{name}#{k}" in taken:
+                k += 1
+            name = f"{name}#{k}"
+            taken.add(name)
+            renamed.append(name)
+        out.append(name)
+    if renamed:
+        report.notes.append(f"{len(renamed)} row(s) without session_id have a request_id that is also a "
+                            f"session_id in the file: each is its own workflow, renamed (first: {renamed[0]!r})")
+    return out
 
 
 def _edges(parsed: list[dict], where: dict, place: dict, report: ImportReport) -> set[str]:
@@ -115,8 +153,20 @@ def _step_order(trace: Trace) -> list[Call]:
     return [next(by_wf[c.workflow_id]) for c in trace.calls]
 
 
+def check(trace: Trace, where: Callable[[int], str]) -> None:
+    """Raise `TraceError` (at `where(index)`, the call's FILE:LINE) for a value `write` would write
+    wrongly: `delay_ms` (pbkv's import keeps Dynamo's `delay` there; written back as `delay` on
+    steps after the first) must be a finite number >= 0, as the importer requires of `delay`."""
+    for i, call in enumerate(trace.calls):
+        v = call.extra.get("delay_ms", 0.0)
+        if call.step and not (is_number(v) and v >= 0):
+            RowChecker(where(i), call.extra).fail(
+                "delay_ms", "expected a finite number >= 0 (milliseconds: written as Dynamo's `delay`)")
+
+
 def write(trace: Trace, f: IO[str]) -> ExportReport:
-    """One row per call; a step waits for the previous step of its workflow, then for its tool_wait."""
+    """One row per call; a step waits for the previous step of its workflow, then for its tool_wait.
+    The trace must pass `check` (`export_file` runs it before opening the output)."""
     report = ExportReport("agentic-mooncake", block_size=trace.block_size)
     untimed = 0
     for call in _step_order(trace):
@@ -137,9 +187,33 @@ def write(trace: Trace, f: IO[str]) -> ExportReport:
         row.update(branches=[], prefix_reset=call.step == 0, agent=call.agent)
         if call.workload is not None:
             row["workload"] = call.workload
-        f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        # allow_nan=False: a NaN that got past the checks fails here rather than as a row no reader takes
+        f.write(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
         report.rows += 1
     report.workflows = len({c.workflow_id for c in trace.calls})
     if untimed:
         report.notes.append(f"{untimed} workflows have no arrival time `t`: their first rows start at timestamp 0")
+    dropped = _not_written(trace)
+    if dropped:
+        report.notes.append(dropped)
     return report
+
+
+def _not_written(trace: Trace, shown: int = 5) -> str | None:
+    """One line naming what the rows have no field for, with how many calls had it: `context`
+    and extra keys (all but `delay_ms` after the first step, written as `delay`). A re-import
+    therefore lacks them; Dynamo's format has no place for them, so none is invented."""
+    context = sum(c.context is not None for c in trace.calls)
+    keys: dict[str, int] = {}
+    for call in trace.calls:
+        for k in call.extra:
+            if k != "delay_ms" or not call.step:
+                keys[k] = keys.get(k, 0) + 1
+    parts = [f"`context` on {context} call{'s' if context != 1 else ''}"] if context else []
+    if keys:
+        items = [f"{show_value(k)} on {n}" for k, n in list(keys.items())[:shown]]
+        more = f" and {len(keys) - shown} more" if len(keys) > shown else ""
+        parts.append(f"extra keys ({', '.join(items)}{more})")
+    if not parts:
+        return None
+    return "not written (agentic-mooncake rows have no field for it): " + "; ".join(parts)

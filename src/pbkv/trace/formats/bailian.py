@@ -11,13 +11,14 @@ agent and `t` the timestamp. A chat whose parent is not in the file (outside the
 or cut by `--limit`) starts its own workflow. A parent with several children (a tree, not a chain)
 cannot be one sequence: every parent link that does not join consecutive steps is reported.
 The traces record no tool or think time between turns (only arrivals), so `tool_wait` is left
-out and `t` keeps each chat's arrival for open-loop replay.
+out and `t` keeps each chat's arrival for open-loop replay. When `--limit` stops before the end of
+the file, a conversation may go on past the cut, so no workflow's last kept step gets `done`.
 """
 
 from __future__ import annotations
 
 from pbkv.trace.call import Call
-from pbkv.trace.formats.base import Edge, ImportReport, Row, lengths_and_ids, number
+from pbkv.trace.formats.base import Edge, ImportReport, Row, lengths_and_ids, number, session_done
 from pbkv.trace.io import TraceError
 
 BLOCK_SIZE = 16
@@ -51,7 +52,8 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
         group.sort(key=order.__getitem__)
         for step, chat in enumerate(group):
             call = chats[chat][2]
-            call.workflow_id, call.step, call.done = f"bailian-{root}", step, step == len(group) - 1
+            call.workflow_id, call.step = f"bailian-{root}", step
+            call.done = session_done(step == len(group) - 1, report)
     _report_branches(chats, report)
     return [call for _, _, call in chats.values()]
 

@@ -26,22 +26,48 @@ class Row:
         return self.chk.where
 
 
-def read_rows(path: str | Path, limit: int | None = None) -> list[Row]:
-    """The first `limit` rows (all when None) of a `.jsonl` or `.jsonl.gz` file, each a JSON object.
-    Read by the native reader's `read_lines`: every way a file can be unreadable (not UTF-8, bad
-    gzip, JSON too deep...) is a `TraceError` naming FILE:LINE, as for a pbkv trace."""
+def read_rows(path: str | Path, limit: int | None = None) -> tuple[list[Row], bool]:
+    """(the first `limit` rows (all when None) of a `.jsonl` or `.jsonl.gz` file, each a JSON object;
+    whether the file goes on past them). Read by the native reader's `read_lines`: every way a file
+    can be unreadable (not UTF-8, bad gzip, JSON too deep...) is a `TraceError` naming FILE:LINE, as
+    for a pbkv trace. Lines past the limit are not checked: only whether one exists is looked at."""
     rows: list[Row] = []
     if limit is not None and limit < 1:
-        return rows
+        return rows, False
     name = display_name(Path(path))
-    for lineno, _, obj in read_lines(path, name, pbkv=False):
-        where = f"{name}:{lineno}"
-        if not isinstance(obj, dict):
-            raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
-        rows.append(Row(lineno, obj, RowChecker(where, obj)))
-        if len(rows) == limit:  # stop before reading on: lines past the limit are never parsed
-            break
-    return rows
+    lines = read_lines(path, name, pbkv=False)
+    try:
+        for lineno, _, obj in lines:
+            where = f"{name}:{lineno}"
+            if not isinstance(obj, dict):
+                raise TraceError(f"{where}: expected a JSON object, got {show_value(obj)}")
+            rows.append(Row(lineno, obj, RowChecker(where, obj)))
+            if len(rows) == limit:  # stop before reading on: lines past the limit are not checked
+                return rows, _goes_on(lines)
+        return rows, False
+    finally:
+        lines.close()
+
+
+def _goes_on(lines) -> bool:
+    """Whether `read_lines` has another non-blank line. One that cannot be read or parsed still
+    counts: it is past the limit, so it is not an error, but the file does go on."""
+    try:
+        next(lines)
+    except StopIteration:
+        return False
+    except TraceError:
+        return True
+    return True
+
+
+def session_done(is_last: bool, report: ImportReport) -> bool | None:
+    """`done` of a session's row: False before its last kept row; on that row True, or None
+    (unknown, as for a run that may continue) when `--limit` stopped before the end of the file,
+    since any session may go on past the cut (knowing which would mean reading the whole file)."""
+    if not is_last:
+        return False
+    return None if report.cut else True
 
 
 def number(chk: RowChecker, name: str, required: bool = False) -> float | None:
@@ -96,6 +122,7 @@ class ImportReport:
     source_block_size: int = 0
     block_size: int = 0
     limited: bool = False  # --limit cut the file: links to rows past the cut are reported, not errors
+    cut: bool = False      # the file goes on past the --limit rows: sessions may continue past the cut
     notes: list[str] = field(default_factory=list)
     dropped_edges: list[Edge] = field(default_factory=list)
 

@@ -1,0 +1,255 @@
+"""Hostile inputs to trace import/export/split (reproductions under hostile2/repro/1, 6, 7, 8, 9):
+bad `delay_ms` on export, `--limit` cutting a session, what an export cannot carry, split metadata,
+sessionless agentic rows and self-waits, exit codes of bad options, NaN in extra fields."""
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from pbkv.cli import app
+from pbkv.trace import Call, Trace, TraceError, TraceMeta, read_trace, validate, write_trace
+from pbkv.trace.formats import export_file, import_file, import_trace
+from pbkv.trace.transform import split_by_task
+
+runner = CliRunner()
+
+
+def jsonl(path, rows):
+    """Write `rows` (objects, or strings taken as they are) one a line; return the path."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def call(step, **kw):
+    return {"workflow_id": "w", "step": step, "agent": "a", "input_length": 16, "output_length": 1,
+            "hash_ids": [1], **kw}
+
+
+def agentic_row(rid, session=None, **kw):
+    row = {"request_id": rid, "timestamp": 0, "input_length": 16, "output_length": 1, "hash_ids": [1], **kw}
+    if session is not None:
+        row["session_id"] = session
+    return row
+
+
+def one_line(output: str) -> str:
+    return output.replace("\n", "")
+
+
+# ---------------------------------------------------------------- 1: delay_ms on export
+
+
+@pytest.mark.parametrize("value, shown", [(None, "null"), ([1], r"\[1\]"), ({"a": 1}, r'\{"a": 1\}'),
+                                          ("abc", "'abc'"), (-5, "-5"), (True, "true")],
+                         ids=["null", "list", "object", "string", "negative", "bool"])
+def test_export_refuses_a_bad_delay_ms_naming_file_line_field_and_value(tmp_path, value, shown):
+    # a metadata line and a blank line before the calls: the line named is the file's, not the call's index
+    src = jsonl(tmp_path / "t.jsonl", ['{"pbkv_trace": 1}', "", call(0), call(1, tool_wait=2, delay_ms=value)])
+    with pytest.raises(TraceError, match=rf"(^|/)t.jsonl:4: field 'delay_ms': expected a finite number >= 0 .*, "
+                                         rf"got {shown}$"):
+        export_file("agentic-mooncake", src, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_export_of_a_non_finite_delay_ms_fails_at_its_line_and_writes_nothing(tmp_path, value):
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps(call(0)) + "\n" + json.dumps(call(1, tool_wait=2))[:-1] + f', "delay_ms": {value}}}\n')
+    r = runner.invoke(app, ["trace", "export", "--to", "agentic-mooncake", str(src), "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 1, r.output
+    assert re.search(r"t.jsonl:2: field 'delay_ms': .*got -?(NaN|Infinity)", one_line(r.output)), r.output
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_cli_export_bad_delay_ms_is_one_error_line_not_a_traceback(tmp_path):
+    src = jsonl(tmp_path / "t.jsonl", [call(0), call(1, tool_wait=2, delay_ms=None)])
+    r = runner.invoke(app, ["trace", "export", "--to", "agentic-mooncake", str(src), "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 1 and not isinstance(r.exception, TypeError), r.output
+    assert "t.jsonl:2: field 'delay_ms'" in one_line(r.output) and "got null" in one_line(r.output)
+
+
+def test_a_valid_delay_ms_is_written_as_delay_and_reads_back(tmp_path):
+    src = jsonl(tmp_path / "t.jsonl", [call(0), call(1, tool_wait=2, delay_ms=5)])
+    export_file("agentic-mooncake", src, tmp_path / "o.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert (rows[1]["delay"], rows[1]["tool_wait_ms"]) == (5.0, 1995.0)
+    back, _ = import_trace("agentic-mooncake", tmp_path / "o.jsonl", source_block_size=16)
+    assert back.calls[1].extra == {"delay_ms": 5.0} and back.calls[1].tool_wait == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- 2: --limit cutting a session
+
+
+def test_agentic_limit_leaves_done_unset_on_a_cut_session_and_says_so(tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", [agentic_row("a0", "s"), agentic_row("a1", "s", wait_for=["a0"]),
+                                       agentic_row("a2", "s", wait_for=["a1"])])
+    trace, report = import_trace("agentic-mooncake", src, source_block_size=16, limit=2)
+    assert [(c.step, c.done) for c in trace.calls] == [(0, False), (1, None)]
+    notes = [n for n in report.notes if "--limit" in n]
+    assert len(notes) == 1 and "1 session(s) may continue past the cut" in notes[0]
+
+
+@pytest.mark.parametrize("limit", [3, 10])
+def test_a_limit_that_reaches_the_end_of_the_file_still_marks_done(tmp_path, limit):
+    src = jsonl(tmp_path / "a.jsonl", [agentic_row("a0", "s"), agentic_row("a1", "s", wait_for=["a0"]),
+                                       agentic_row("a2", "t"), "  "])  # a blank line after the last row
+    trace, report = import_trace("agentic-mooncake", src, source_block_size=16, limit=limit)
+    assert [c.done for c in trace.calls] == [False, True, True]
+    assert not any("--limit" in n for n in report.notes)
+
+
+def test_bailian_limit_leaves_done_unset_and_the_written_row_has_no_done(tmp_path):
+    src = jsonl(tmp_path / "b.jsonl", [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0, "input_length": 16, "output_length": 1,
+         "type": "text", "turn": 1, "hash_ids": [1]},
+        {"chat_id": 2, "parent_chat_id": 1, "timestamp": 1, "input_length": 32, "output_length": 1,
+         "type": "text", "turn": 2, "hash_ids": [1, 2]}])
+    _, report = import_file("bailian", src, tmp_path / "o.jsonl", limit=1)
+    assert "done" not in json.loads((tmp_path / "o.jsonl").read_text().splitlines()[-1])
+    assert sum("--limit" in n for n in report.notes) == 1
+
+
+def test_a_bad_line_past_the_limit_is_not_an_error_but_the_file_goes_on(tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", [agentic_row("a0", "s"), "{not json"])
+    trace, report = import_trace("agentic-mooncake", src, source_block_size=16, limit=1)
+    assert trace.calls[0].done is None and any("--limit" in n for n in report.notes)
+
+
+def test_mooncake_requests_stay_done_under_a_limit(tmp_path):
+    src = jsonl(tmp_path / "m.jsonl", [{"timestamp": i, "input_length": 16, "output_length": 1, "hash_ids": [i]}
+                                       for i in range(3)])
+    trace, report = import_trace("mooncake", src, source_block_size=16, limit=2)
+    assert [c.done for c in trace.calls] == [True, True] and not report.notes
+
+
+# ---------------------------------------------------------------- 3: what an export cannot carry; split metadata
+
+
+def test_export_names_what_the_format_cannot_carry_and_how_many_calls_had_it(tmp_path):
+    src = jsonl(tmp_path / "t.jsonl", [call(0, context="task: x", logged_prompt_tokens=3, delay_ms=1),
+                                       call(1, context="", tool_wait=1, delay_ms=7),  # delay_ms written here
+                                       call(2, logged_prompt_tokens=4, tags=["a"])])
+    report = export_file("agentic-mooncake", src, tmp_path / "o.jsonl")
+    notes = [n for n in report.notes if n.startswith("not written")]
+    assert notes == ["not written (agentic-mooncake rows have no field for it): `context` on 2 calls; "
+                     "extra keys ('logged_prompt_tokens' on 2, 'delay_ms' on 1, 'tags' on 1)"]
+    for line in (tmp_path / "o.jsonl").read_text().splitlines():  # and no field was invented for them
+        assert not {"context", "logged_prompt_tokens", "tags", "delay_ms"} & set(json.loads(line))
+
+
+def test_export_of_a_trace_it_carries_whole_has_no_such_note(tmp_path):
+    src = jsonl(tmp_path / "t.jsonl", [call(0, t=0), call(1, tool_wait=1, delay_ms=7)])
+    assert not export_file("agentic-mooncake", src, tmp_path / "o.jsonl").notes
+
+
+def test_cli_export_prints_the_note_literally(tmp_path):
+    src = jsonl(tmp_path / "t.jsonl", [call(0, t=0, context="hint", **{"[red]": 1})])
+    r = runner.invoke(app, ["trace", "export", "--to", "agentic-mooncake", str(src), "-o", str(tmp_path / "o.jsonl")])
+    out = one_line(r.output)
+    assert r.exit_code == 0 and "note: not written" in out and "`context` on 1 call" in out
+    assert "'[red]' on 1" in out  # a key from the file is not read as rich markup
+
+
+def test_split_parts_do_not_carry_whole_file_counts(tmp_path):
+    rows = [agentic_row(f"r{i}", f"s{i}") for i in range(12)]
+    rows[1]["wait_for"], rows[1]["timestamp"] = ["r0"], 5  # a spawn edge: recorded in dropped_edges
+    trace, _ = import_trace("agentic-mooncake", jsonl(tmp_path / "a.jsonl", rows), source_block_size=16)
+    assert trace.meta.extra["dropped_edges"] == {"spawn": 1}
+    train, test = split_by_task(trace, 0.5, seed=0)
+    assert train.calls and test.calls
+    for part, name in ((train, "train"), (test, "test")):
+        back = read_trace(write_trace(part, tmp_path / f"{name}.jsonl"))
+        assert "dropped_edges" not in back.meta.extra
+        assert back.meta.notes.startswith(f"{name} part of a split by task (seed 0, test fraction 0.5)")
+        assert back.meta.notes.endswith("; whole file: 12 agentic-mooncake rows; source block size 16, re-chained at 16")
+        assert back.meta.source == trace.meta.source and back.block_size == trace.block_size
+    assert trace.meta.extra["dropped_edges"] == {"spawn": 1}  # the whole trace's metadata is unchanged
+
+
+# ---------------------------------------------------------------- 4: agentic sessions and self-waits
+
+
+def test_a_row_without_session_does_not_join_a_session_named_like_its_request_id(tmp_path):
+    src = jsonl(tmp_path / "m.jsonl", [agentic_row("a", "s"), agentic_row("s", timestamp=5)])
+    trace, report = import_trace("agentic-mooncake", src, source_block_size=16)
+    assert [(c.workflow_id, c.step, c.done) for c in trace.calls] == [("s", 0, True), ("s#1", 0, True)]
+    assert any("renamed (first: 's#1')" in n for n in report.notes)
+
+
+def test_renamed_sessionless_rows_collide_with_no_other_name(tmp_path):
+    # 's#1' is taken by a sessionless row's own id, 's#2' by a session: the renamed row gets 's#3'
+    src = jsonl(tmp_path / "m.jsonl", [agentic_row("a", "s"), agentic_row("b", "s#2"), agentic_row("s"),
+                                       agentic_row("s#1")])
+    trace, _ = import_trace("agentic-mooncake", src, source_block_size=16)
+    assert [c.workflow_id for c in trace.calls] == ["s", "s#2", "s#3", "s#1"]
+    assert all(c.step == 0 for c in trace.calls)
+
+
+def test_a_row_waiting_for_itself_is_an_error(tmp_path):
+    src = jsonl(tmp_path / "w.jsonl", [agentic_row("a", "s"), agentic_row("b", "s", wait_for=["a", "b"])])
+    with pytest.raises(TraceError, match=r"(^|/)w.jsonl:2: field 'wait_for': names the row's own request_id 'b': a row "
+                                         r"cannot wait for itself .*, got \[\"a\", \"b\"\]$"):
+        import_trace("agentic-mooncake", src, source_block_size=16)
+
+
+# ---------------------------------------------------------------- 5: exit codes of bad options
+
+
+@pytest.mark.parametrize("args, message", [
+    (["import", "--from", "nope", "{src}", "-o", "{out}"], "cannot read format 'nope'"),
+    (["export", "{src}", "--to", "nope", "-o", "{out}"], "cannot write format 'nope'"),
+    (["import", "--from", "agentic-mooncake", "{agentic}", "-o", "{out}"], "do not record their block size"),
+], ids=["from", "to", "source-block-size"])
+def test_bad_option_values_exit_2(tmp_path, args, message):
+    names = {"src": str(jsonl(tmp_path / "t.jsonl", [call(0)])), "out": str(tmp_path / "o.jsonl"),
+             "agentic": str(jsonl(tmp_path / "a.jsonl", [agentic_row("a", "s")]))}
+    r = runner.invoke(app, ["trace"] + [a.format(**names) for a in args])
+    assert r.exit_code == 2 and message in one_line(r.output), r.output
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_bad_data_still_exits_1(tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", [{"request_id": "a"}])
+    r = runner.invoke(app, ["trace", "import", "--from", "agentic-mooncake", str(src), "--source-block-size", "16",
+                            "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 1 and "a.jsonl:1: field" in one_line(r.output)
+
+
+# ---------------------------------------------------------------- 6: NaN and Infinity in extra fields
+
+
+@pytest.mark.parametrize("value, shown", [("NaN", "NaN"), ("-Infinity", "-Infinity"), ("1e999", "Infinity"),
+                                          ('{"a": [1, NaN]}', r'\{"a": \[1, NaN\]\}')])
+def test_a_non_finite_number_in_an_extra_field_is_refused_at_its_line(tmp_path, value, shown):
+    src = tmp_path / "t.jsonl"
+    src.write_text(json.dumps(call(0)) + "\n" + json.dumps(call(1))[:-1] + f', "score": {value}}}\n')
+    with pytest.raises(TraceError, match=rf"(^|/)t.jsonl:2: field 'score': expected JSON numbers to be finite .*, "
+                                         rf"got {shown}$"):
+        read_trace(src)
+
+
+def test_a_non_finite_number_in_the_metadata_is_refused(tmp_path):
+    src = tmp_path / "t.jsonl"
+    src.write_text('{"pbkv_trace": 1, "ratio": NaN}\n' + json.dumps(call(0)) + "\n")
+    with pytest.raises(TraceError, match=r"(^|/)t.jsonl:1: field 'ratio': expected JSON numbers to be finite"):
+        read_trace(src)
+
+
+def test_split_of_a_trace_with_nan_fails_and_writes_no_invalid_json(tmp_path):
+    src = tmp_path / "t.jsonl"
+    src.write_text("".join(json.dumps(call(0, workflow_id=f"w{i}"))[:-1] + ', "x": NaN}\n' for i in range(4)))
+    r = runner.invoke(app, ["trace", "split", str(src), "--train-out", str(tmp_path / "a.jsonl"),
+                            "--test-out", str(tmp_path / "b.jsonl")])
+    assert r.exit_code == 1 and "t.jsonl:1: field 'x'" in one_line(r.output), r.output
+    assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "b.jsonl").exists()
+
+
+def test_an_in_memory_nan_is_refused_by_validate_and_never_written(tmp_path):
+    trace = Trace(TraceMeta(), [Call("w", 0, "a", 16, 1, [1], extra={"x": float("nan")})])
+    with pytest.raises(TraceError, match=r"field 'x': expected JSON numbers to be finite"):
+        validate(trace, "mem")
+    with pytest.raises(ValueError):
+        write_trace(trace, tmp_path / "o.jsonl")
+    assert not (tmp_path / "o.jsonl").exists()
