@@ -17,11 +17,13 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from pbkv.files import read_text
 from pbkv.predict import store
 from pbkv.predict.features import FeatureConfig
+from pbkv.trace.io import show_value
 
 FILE = "workflows.json"
 FORMAT = "pbkv-workflows"
@@ -38,27 +40,47 @@ def write_history(folder: Path, workflows: list[Workflow]) -> None:
 
 def read_history(path: str | Path) -> list[Workflow]:
     """The workflows saved with the live version of predictor directory `path` ([] when none).
-    Raises ValueError naming the file and what is wrong."""
+    Raises ValueError naming the file (and the entry) for anything but a readable
+    pbkv-workflows file of valid entries: also for JSON nested too deeply, a lone surrogate in a
+    string (valid JSON, but no text: a retrain on it fails at the shutdown save) and a
+    `workflows.json` that is not a file."""
     file = store.live_dir(path) / FILE
-    if not file.is_file():
+    if not os.path.lexists(file):
         return []
+    if not file.is_file():   # a folder is no "no history"; a FIFO would block the read
+        raise ValueError(f"{file}: not a file")
     text = read_text(file)
     try:
         data = json.loads(text)
     except ValueError as e:
         raise ValueError(f"{file}: not JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{file}: not JSON (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("workflows"), list):
         raise ValueError(f"{file}: not a {FORMAT} file")
     return [_workflow(file, i, wf) for i, wf in enumerate(data["workflows"])]
 
 
 def _workflow(file: Path, index: int, rows) -> Workflow:
-    if isinstance(rows, list) and rows and all(_is_call(r) for r in rows):
-        return [(agent, ctx) for agent, ctx in rows]
-    raise ValueError(f"{file}: workflows.{index}: expected a non-empty list of [agent, context or null], "
-                     f"got {json.dumps(rows)[:80]}")
+    if not (isinstance(rows, list) and rows and all(_is_call(r) for r in rows)):
+        raise ValueError(f"{file}: workflows.{index}: expected a non-empty list of [agent, context or null], "
+                         f"got {show_value(rows)}")
+    bad = next((s for row in rows for s in row if s is not None and not _is_text(s)), None)
+    if bad is not None:
+        raise ValueError(f"{file}: workflows.{index}: a string holds a lone surrogate (not valid Unicode "
+                         f"text), got {show_value(bad[:40])}")
+    return [(agent, ctx) for agent, ctx in rows]
 
 
 def _is_call(row) -> bool:
     return (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and row[0] != ""
             and (row[1] is None or isinstance(row[1], str)))
+
+
+def _is_text(s: str) -> bool:
+    """`s` is Unicode text (no lone surrogate such as "\\ud800", which a JSON escape can hold)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

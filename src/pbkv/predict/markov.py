@@ -17,6 +17,7 @@ import numpy as np
 
 from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
 from pbkv.trace import Trace
+from pbkv.trace.io import show_value
 
 FORMAT = "pbkv-markov"
 
@@ -82,6 +83,8 @@ class MarkovPredictor:
     def from_dict(cls, d: dict) -> "MarkovPredictor":
         """A predictor from `to_dict`'s JSON; a field of the wrong type or value is a ValueError
         naming the field and the value (`horizon` an integer, `alpha` a number, as saved)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a JSON object, got {show_value(d)}")
         if d.get("format") != FORMAT:
             raise ValueError(f"not a Markov predictor (format {d.get('format')!r}, expected {FORMAT!r})")
         horizon, alpha = d["horizon"], d["alpha"]
@@ -89,7 +92,7 @@ class MarkovPredictor:
             raise ValueError(f"field 'horizon': expected an integer >= 1, got {horizon!r}")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
             raise ValueError(f"field 'alpha': expected a finite number >= 0, got {alpha!r}")
-        return cls(d["agents"], np.array(d["counts"], dtype=np.float64), horizon, float(alpha))
+        return cls(check_agents(d["agents"]), np.array(d["counts"], dtype=np.float64), horizon, float(alpha))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()) + "\n")
@@ -97,12 +100,31 @@ class MarkovPredictor:
     @classmethod
     def load(cls, path: str | Path) -> "MarkovPredictor":
         path = Path(path)
+        if path.exists() and not path.is_file():   # a folder, or a FIFO that would block the read
+            raise ValueError(f"{path}: not a file")
         try:
             return cls.from_dict(json.loads(path.read_text()))
         except FileNotFoundError:
             raise ValueError(f"{path}: no such Markov model file") from None
+        except RecursionError:
+            raise ValueError(f"{path}: not a valid Markov model (JSON nested too deeply)") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a valid Markov model ({e})") from None
+
+
+def check_agents(agents, where: str = "agents") -> list[str]:
+    """`agents` as saved (markov.json's and config.json's `agents`): a list of distinct strings,
+    each one class. A string would be read as its letters, a repeated name as two classes, a
+    number as a name no trace has: each loads and predicts wrongly without a word, so each is
+    a ValueError naming the field and the value."""
+    if not (isinstance(agents, list) and all(isinstance(a, str) for a in agents)):
+        raise ValueError(f"field '{where}': expected a list of agent names (strings), got {show_value(agents)}")
+    seen = set()
+    for a in agents:
+        if a in seen:
+            raise ValueError(f"field '{where}': agent {show_value(a)} is listed twice")
+        seen.add(a)
+    return list(agents)
 
 
 def _check_counts(counts: np.ndarray) -> None:

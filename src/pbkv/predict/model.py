@@ -22,7 +22,7 @@ Parts (switched by `variant`: "fused" = all, "history" = no context, "context" =
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,25 @@ from torch import nn
 from pbkv.predict.features import FeatureConfig
 
 VARIANTS = ("fused", "history", "context")
+# Inclusive ranges of the integer fields. The upper bounds are far above any useful model; they
+# keep a tampered config.json's sizes small enough for `MAX_NUMBERS` to be checked without overflow.
+MODEL_RANGES = {"n_agents": (0, 100_000), "horizon": (1, 1024), "dim": (1, 4096), "hidden": (1, 65_536),
+                "graph_layers": (0, 64), "heads": (1, 4096), "recent": (1, 4096), "context_dim": (0, 65_536)}
+FEATURE_RANGES = {"window": (1, 4096), "max_count": (0, 4096), "max_step": (0, 1 << 20), "buckets": (1, 1 << 24),
+                  "max_chars": (0, 1 << 30), "max_tokens": (0, 1 << 20), "head_tokens": (0, 1 << 20),
+                  "max_lines": (0, 1 << 20)}
+PROBABILITIES = ("dropout", "context_dropout")
+MAX_NUMBERS = 1 << 28   # weights + buffers of one network (1 GiB of float32): default models hold ~0.3 M
 
 
 @dataclass
 class ModelConfig:
+    """The network's shape. Invariants (checked on creation, so a hand-edited config.json is
+    refused before anything is allocated, each error naming the field `model.NAME` and the
+    value): integers are ints within `MODEL_RANGES` / `FEATURE_RANGES`, `dropout` and
+    `context_dropout` numbers in [0, 1], `variant` one of `VARIANTS`, dim % heads == 0,
+    recent <= features.window, and the network holds at most `MAX_NUMBERS` numbers."""
+
     n_agents: int
     horizon: int = 3
     variant: str = "fused"
@@ -49,15 +64,56 @@ class ModelConfig:
     features: FeatureConfig = field(default_factory=FeatureConfig)
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise ValueError(f"unknown variant {self.variant!r}; expected one of {', '.join(VARIANTS)}")
-        if self.horizon < 1:
-            raise ValueError(f"horizon must be >= 1, got {self.horizon}")
         if isinstance(self.features, dict):
-            self.features = FeatureConfig(**self.features)
+            self.features = _feature_config(self.features)
+        if not isinstance(self.features, FeatureConfig):
+            raise ValueError(f"field 'model.features': expected an object, got {self.features!r:.80}")
+        _check_ints(self, MODEL_RANGES, "model")
+        _check_ints(self.features, FEATURE_RANGES, "model.features")
+        if not isinstance(self.features.thermometer, bool):
+            raise ValueError(f"field 'model.features.thermometer': expected true or false, "
+                             f"got {self.features.thermometer!r:.80}")
+        for name in PROBABILITIES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ValueError(f"field 'model.{name}': expected a number from 0 to 1, got {v!r:.80}")
+        if not isinstance(self.variant, str) or self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r:.80}; expected one of {', '.join(VARIANTS)}")
         if self.dim % self.heads or not 1 <= self.recent <= self.features.window:
             raise ValueError(f"need dim % heads == 0 and 1 <= recent <= window, got dim {self.dim}, "
                              f"heads {self.heads}, recent {self.recent}, window {self.features.window}")
+        numbers = self.numbers()
+        if numbers > MAX_NUMBERS:
+            raise ValueError(f"field 'model': the network would hold {numbers:,} numbers, more than "
+                             f"{MAX_NUMBERS:,} (dim {self.dim}, hidden {self.hidden}, buckets "
+                             f"{self.features.buckets}, {self.n_agents} agents)")
+
+    @classmethod
+    def from_dict(cls, d) -> "ModelConfig":
+        """A config from `to_dict`'s JSON (config.json's `model`); ValueError naming the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"field 'model': expected an object, got {d!r:.80}")
+        _known_keys(d, cls, "model")
+        if "n_agents" not in d:
+            raise ValueError("field 'model.n_agents': missing")
+        return cls(**d)
+
+    def numbers(self) -> int:
+        """Weights + buffers of `PredictorNet(self)`, computed without building it (a tampered
+        size must be refused before anything is allocated; tests compare this count with the
+        network's, so the two cannot drift apart)."""
+        n, d, h, f = self.n_agents, self.dim, self.hidden, self.features
+        vocab, classes, out = n + 3, n + 1, self.horizon * (n + 2)
+        total, width = 2 * vocab * vocab, 0                      # adj_out, adj_in
+        if self.uses_history:
+            state = classes * (2 * f.max_count + 3) + f.max_step + 2
+            total += (vocab + f.window + state) * d + self.graph_layers * (3 * d + 1) * d + 3 * d * (d + 1)
+            width += (self.recent + 2) * d + classes + 1
+        if self.uses_context:
+            groups = f.groups * d
+            total += (self.context_dim + 1) * groups if self.context_dim > 0 else (f.buckets + 1) * d
+            width += groups
+        return total + (width + 1) * h + (h + 1) * h + (h + 1) * out   # the MLP's two layers, the head
 
     @property
     def uses_history(self) -> bool:
@@ -172,3 +228,22 @@ def transition_matrices(seqs: list[list[int]], vocab: int, start: int) -> tuple[
     out = c / c.sum(1, keepdim=True).clamp_min(1)
     inn = c.T / c.T.sum(1, keepdim=True).clamp_min(1)
     return out.float(), inn.float()
+
+
+def _feature_config(d: dict) -> FeatureConfig:
+    _known_keys(d, FeatureConfig, "model.features")
+    return FeatureConfig(**d)
+
+
+def _known_keys(d: dict, cls, where: str) -> None:
+    unknown = sorted(set(d) - {f.name for f in fields(cls)}, key=str)
+    if unknown:
+        raise ValueError(f"field '{where}': unknown key {unknown[0]!r:.80}")
+
+
+def _check_ints(obj, ranges: dict[str, tuple[int, int]], where: str) -> None:
+    """Each field named in `ranges` is an int (not a bool: JSON true is no size) within its range."""
+    for name, (low, high) in ranges.items():
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            raise ValueError(f"field '{where}.{name}': expected an integer from {low:,} to {high:,}, got {v!r:.80}")

@@ -23,8 +23,9 @@ from pbkv.predict import store
 from pbkv.predict.history import write_history
 from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
 from pbkv.predict.features import WORD, Featurizer
-from pbkv.predict.markov import MarkovPredictor
+from pbkv.predict.markov import MarkovPredictor, check_agents
 from pbkv.predict.model import ModelConfig, PredictorNet
+from pbkv.trace.io import show_value
 
 FORMAT, VERSION = "pbkv-predictor", 1
 CHUNK = 1024  # rows per forward pass in predict_batch (bounds memory on long traces)
@@ -150,17 +151,9 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
         if not p.is_file():
             raise PredictorLoadError(f"{p}: missing (not a saved predictor directory?)")
     try:
-        config = json.loads(cfg_path.read_text())
-        if config.get("format") != FORMAT:
-            raise ValueError(f"format is {config.get('format')!r}, expected {FORMAT!r}")
-        if config.get("version") != VERSION:
-            raise ValueError(f"version {config.get('version')!r} is not supported (expected {VERSION})")
-        mcfg = ModelConfig(**config["model"])
-        agents = list(config["agents"])
-        if len(agents) != mcfg.n_agents:
-            raise ValueError(f"{len(agents)} agents but the model has {mcfg.n_agents}")
-        temp = config["temperature"]
-        _check_temperatures(temp, mcfg.horizon)
+        mcfg, agents, temp, info = _check_config(json.loads(cfg_path.read_text()))
+    except RecursionError:
+        raise PredictorLoadError(f"{cfg_path}: invalid config (JSON nested too deeply)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise PredictorLoadError(f"{cfg_path}: invalid config ({e})") from None
     net = PredictorNet(mcfg)
@@ -169,12 +162,43 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
     except (SafetensorError, RuntimeError, OSError, ValueError) as e:
         raise PredictorLoadError(f"{w_path}: cannot load weights ({str(e).splitlines()[0]})") from None
     markov = None
-    if (path / "markov.json").is_file():
+    if (path / "markov.json").exists():
         try:
             markov = MarkovPredictor.load(path / "markov.json")
         except ValueError as e:
             raise PredictorLoadError(str(e)) from None
-    return NeuralPredictor(net, agents, temp["agent"], temp["continue"], markov, config.get("info"))
+    return NeuralPredictor(net, agents, temp["agent"], temp["continue"], markov, info)
+
+
+def _check_config(config) -> tuple[ModelConfig, list[str], dict, dict]:
+    """(model config, agents, temperatures, info) of config.json's JSON value; every field is
+    checked here, before anything is allocated: a ValueError names the field and the value."""
+    if not isinstance(config, dict):
+        raise ValueError(f"expected a JSON object, got {show_value(config)}")
+    if config.get("format") != FORMAT:
+        raise ValueError(f"format is {config.get('format')!r}, expected {FORMAT!r}")
+    if config.get("version") != VERSION:
+        raise ValueError(f"version {config.get('version')!r} is not supported (expected {VERSION})")
+    mcfg = ModelConfig.from_dict(config.get("model"))
+    agents = check_agents(config.get("agents"))
+    if len(agents) != mcfg.n_agents:
+        raise ValueError(f"{len(agents)} agents but the model has {mcfg.n_agents}")
+    temp = config.get("temperature")
+    _check_temperatures(temp, mcfg.horizon)
+    return mcfg, agents, temp, _check_info(config.get("info"))
+
+
+def _check_info(info) -> dict:
+    """`info` (training figures) is an object; `workflows`, which a server compares its retrains
+    with, is an integer >= 0 when present."""
+    if info is None:
+        return {}
+    if not isinstance(info, dict):
+        raise ValueError(f"field 'info': expected an object, got {show_value(info)}")
+    n = info.get("workflows", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"field 'info.workflows': expected an integer >= 0, got {show_value(n)}")
+    return info
 
 
 def _check_temperatures(temp, horizon: int) -> None:

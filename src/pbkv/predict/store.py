@@ -18,7 +18,14 @@ Invariants:
 - saves never interleave (`DIR/.lock`): two unlocked saves could each prune the other's
   version, leaving `CURRENT` naming a removed folder;
 - a directory without `CURRENT` is one flat version (the layout before versioning); the first
-  versioned save removes its files.
+  versioned save removes its files;
+- a save touches only what is a predictor's: it runs only in a folder that is new, empty, a flat
+  predictor or one whose `CURRENT` names a version folder holding a predictor (a LevelDB folder
+  also has a `CURRENT`), and it removes only version folders holding a predictor's `config.json`;
+  an entry of another kind whose name looks like a version is never removed and its number is
+  skipped;
+- whatever would make a save fail after the work (`.lock` not a writable regular file, a folder
+  that cannot be written) is refused by `check_target`, which commands call before any work.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -38,7 +46,7 @@ POINTER = "CURRENT"
 VERSION_NAME = re.compile(r"v(\d{6,})")
 STALE = r"(\.v\d+\.tmp|CURRENT\.tmp)(?P<pid>\d+)"
 LOCK = ".lock"
-FLAT_FILES = ("config.json", "model.safetensors", "markov.json")
+FLAT_FILES = ("model.safetensors", "markov.json", "config.json")  # config.json last: see _prune
 FLAT_FORMAT = "pbkv-predictor"               # config.json's "format" (predictor.FORMAT)
 
 
@@ -52,10 +60,17 @@ def live_dir(path: str | Path) -> Path:
     pointer = path / POINTER
     if not pointer.is_file():
         return path
-    name = pointer.read_text(encoding="ascii", errors="replace").strip()
+    name = _read_pointer(pointer)
     if not VERSION_NAME.fullmatch(name):
         raise ValueError(f"{pointer}: expected a version name like v000001, got {name[:40]!r}")
     return path / name
+
+
+def _read_pointer(pointer: Path) -> str:
+    """`CURRENT`'s text, stripped. Only its head is read: a foreign file named CURRENT may be big,
+    and a version name is short."""
+    with open(pointer, "rb") as f:
+        return f.read(64).decode("ascii", errors="replace").strip()
 
 
 def has_predictor(path: str | Path) -> bool:
@@ -66,36 +81,82 @@ def has_predictor(path: str | Path) -> bool:
 
 def check_target(path: str | Path) -> None:
     """Raise ValueError unless `path` may receive a save: it does not exist, is an empty folder,
-    or holds a saved predictor. A save removes older versions' folders and a flat layout's files,
-    so it must never run in a folder of other files (a user's `config.json`, say)."""
+    or holds a saved predictor (`_saved_predictor`), and a save there cannot fail on its lock file
+    or permissions. A save removes older versions' folders and a flat layout's files, so it must
+    never run in a folder of other files (a user's `config.json`, a LevelDB folder's `CURRENT`)."""
     path = Path(path)
     if not path.exists():
         return
     if not path.is_dir():
         raise ValueError(f"{path} is a file; give a folder for the predictor")
-    if (path / POINTER).is_file() or _flat_predictor(path):
-        return
-    others = sorted(e.name for e in path.iterdir() if not re.fullmatch(STALE, e.name) and e.name != LOCK)
-    if others:
-        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-        raise ValueError(f"{path}: holds other files ({shown}) and no saved predictor; a save replaces "
-                         f"files there, so give a new or empty folder")
+    if not _saved_predictor(path):
+        others = sorted(e.name for e in path.iterdir() if not re.fullmatch(STALE, e.name) and e.name != LOCK)
+        if others:
+            shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+            raise ValueError(f"{path}: holds other files ({shown}) and no saved predictor; a save replaces "
+                             f"files there, so give a new or empty folder")
+    problem = _lock_problem(path / LOCK)
+    if problem:
+        raise ValueError(f"{path / LOCK}: {problem}; remove it (a save creates it as an empty file)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{path}: cannot write in this folder (permission denied)")
 
 
-def _flat_predictor(path: Path) -> bool:
-    """`path/config.json` is a predictor's (the layout before versioning), not any JSON file."""
+def _saved_predictor(path: Path) -> bool:
+    """`path` is a flat predictor, or its `CURRENT` names a version folder holding a predictor."""
+    if not (path / POINTER).is_file():
+        return _is_predictor_folder(path)
     try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        name = _read_pointer(path / POINTER)
+    except OSError:
         return False
-    return isinstance(config, dict) and config.get("format") == FLAT_FORMAT
+    return VERSION_NAME.fullmatch(name) is not None and _is_predictor_folder(path / name)
+
+
+def _is_predictor_folder(path: Path) -> bool:
+    """`path/config.json` is a predictor's (a version's, or the flat layout's), not any JSON file."""
+    config = path / "config.json"
+    if not config.is_file():   # a FIFO named config.json must not block the check
+        return False
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FLAT_FORMAT
+
+
+def _lock_problem(lock: Path) -> str | None:
+    """What stops a save from locking `lock`, or None (absent is fine: the save creates it)."""
+    try:
+        st = os.stat(lock)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a folder, not a lock file"
+    if not stat.S_ISREG(st.st_mode):   # a FIFO would block the save forever in open()
+        return "is not a regular file (a FIFO, socket or device)"
+    try:
+        os.close(os.open(lock, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    except OSError as e:
+        return f"cannot be opened for writing ({e.strerror or e})"
+    return None
 
 
 def _versions(path: Path) -> list[tuple[int, str]]:
+    """(number, name) of the version folders holding a predictor, oldest first: the only ones
+    a save may remove."""
+    return [(n, name) for n, name in _numbers(path) if _is_predictor_folder(path / name)]
+
+
+def _numbers(path: Path) -> list[tuple[int, str]]:
+    """(number, name) of every entry named like a version, of any kind, sorted: a new version
+    takes a number above all of them, so it never lands on a user's file or folder."""
     out = []
     for entry in path.iterdir():
         m = VERSION_NAME.fullmatch(entry.name)
-        if m and entry.is_dir():
+        if m:
             out.append((int(m.group(1)), entry.name))
     return sorted(out)
 
@@ -109,25 +170,27 @@ def _fsync(path: Path) -> None:
 
 
 def _write_version(path: Path, write: Callable[[Path], None]) -> str:
-    """Write a complete new version beside the live one; return its name (not yet live)."""
+    """Write a complete new version beside the live one; return its name (not yet live).
+    An OSError names the version being saved, not its temporary folder."""
     pid = os.getpid()
     while True:
-        name = f"v{(_versions(path)[-1][0] if _versions(path) else 0) + 1:06d}"
+        numbers = _numbers(path)
+        name = f"v{(numbers[-1][0] if numbers else 0) + 1:06d}"
         tmp = path / f".{name}.tmp{pid}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
         try:
+            tmp.mkdir()
             write(tmp)
             for f in tmp.iterdir():
                 _fsync(f)
             on_step("written")
             os.rename(tmp, path / name)  # fails when another writer took this name first
             return name
-        except OSError:
+        except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if (path / name).is_dir():
+            if os.path.lexists(path / name):   # taken meanwhile: the next pass takes a higher number
                 continue
-            raise
+            raise OSError(f"{path / name}: cannot save ({e.strerror or e})") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -144,17 +207,16 @@ def _point_to(path: Path, name: str) -> None:
 
 
 def _prune(path: Path, live: str) -> None:
-    """Drop versions older than the one before `live`, and a flat layout's files."""
-    names = [n for _, n in _versions(path)]
-    keep = {live}
-    older = [n for n in names if n < live]
-    if older:
-        keep.add(older[-1])
-    for n in names:
-        if n not in keep:
-            shutil.rmtree(path / n, ignore_errors=True)
-    for f in FLAT_FILES:
-        (path / f).unlink(missing_ok=True)
+    """Drop predictor versions older than the one before `live`, and a flat layout's files
+    (only when they are a predictor's: `config.json` is removed last, so a prune killed midway
+    leaves them recognisable and the next save finishes it)."""
+    live_number = int(VERSION_NAME.fullmatch(live).group(1))
+    older = [name for n, name in _versions(path) if n < live_number]
+    for name in older[:-1]:
+        shutil.rmtree(path / name, ignore_errors=True)
+    if _is_predictor_folder(path):
+        for f in FLAT_FILES:
+            (path / f).unlink(missing_ok=True)
 
 
 def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -179,10 +241,18 @@ def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
 def _locked(path: Path):
     """Hold `path/.lock` exclusively. flock is released by the kernel when its holder dies, so a
     killed writer never blocks the next save; the file itself stays (removing it would let two
-    writers lock two different files)."""
-    with open(path / LOCK, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    writers lock two different files). Opened with O_NONBLOCK, which keeps open() from waiting
+    for a reader when `.lock` is a FIFO (flock still waits for another writer: LOCK_NB is unset);
+    anything but a regular file is refused."""
+    lock = path / LOCK
+    try:
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise OSError(f"{lock}: {_lock_problem(lock) or f'cannot open ({e.strerror or e})'}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{lock}: is not a regular file (a FIFO, socket or device); remove it")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # releases the flock

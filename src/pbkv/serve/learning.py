@@ -37,6 +37,9 @@ from pbkv.predict.store import check_target, has_predictor
 from pbkv.serve.workflows import DEFAULT_AGENT
 
 log = logging.getLogger("pbkv.serve")
+# shutdown saves that failed in this process, in order: `pbkv serve` exits 1 after one (a failed
+# save loses the session's learning, and a shutdown step cannot set the exit status itself)
+FAILED_SAVES: list[str] = []
 MIN_FINAL_TRAIN = 10   # ended workflows needed for the retrain at shutdown
 DEFAULT_NICE = 10      # the retrain process yields the CPU to the server (0: an equal share)
 
@@ -205,9 +208,9 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
             loaded, history = True, read_history(predictor_dir)
             horizon = predictors[variant].horizon
         else:
-            if predictor_dir is not None:  # saved there on shutdown: refuse a folder of other files now
-                check_target(predictor_dir)
             predictors[variant] = empty_markov(horizon)
+        if predictor_dir is not None:  # saved there on shutdown: refuse now what would fail that save
+            check_target(predictor_dir)
     learner = None
     if variant is not None and online:
         learner = TrafficLearner(variant=variant, horizon=horizon, every=learn_every, background=True,
@@ -222,7 +225,8 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
 
 def finish_learning(setup: PolicySetup) -> Path | None:
     """At shutdown: wait for a retrain in progress, retrain on what is left (only when there is a
-    --predictor to save it to), save. The path saved to, or None (nothing to save)."""
+    --predictor to save it to), save. The path saved to, or None (nothing to save, or the save
+    failed: logged as one error line and added to `FAILED_SAVES`)."""
     policy, learner = setup.policy, setup.learner
     if learner is not None:
         newest = learner.finish(final_train=setup.predictor_dir is not None)
@@ -236,7 +240,12 @@ def finish_learning(setup: PolicySetup) -> Path | None:
         log.info("no trained predictor to save to %s (too few workflows ended)", setup.predictor_dir)
         return None
     history = learner.workflows() if learner is not None else setup.history
-    return save_atomic(predictor, setup.predictor_dir, history)
+    try:
+        return save_atomic(predictor, setup.predictor_dir, history)
+    except (OSError, ValueError) as e:   # the folder changed since start-up (checked then): one line, no traceback
+        log.error("cannot save the predictor to %s: %s", setup.predictor_dir, e)
+        FAILED_SAVES.append(str(e))
+        return None
 
 
 def save_atomic(predictor, folder: Path, history: list | None = None) -> Path:
