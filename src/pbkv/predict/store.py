@@ -18,7 +18,8 @@ Invariants:
 - saves never interleave (`DIR/.lock`): two unlocked saves could each prune the other's
   version, leaving `CURRENT` naming a removed folder;
 - a directory without `CURRENT` is one flat version (the layout before versioning); the first
-  versioned save removes its files;
+  versioned save removes its files; one holding only predictor versions (a first save killed
+  before its pointer) holds no predictor yet, and the next save goes on from there;
 - a save touches only what is a predictor's: it runs only in a folder that is new, empty, a flat
   predictor or one whose `CURRENT` names a version folder holding a predictor (a LevelDB folder
   also has a `CURRENT`), and it removes only version folders holding a predictor's `config.json`;
@@ -90,7 +91,7 @@ def check_target(path: str | Path) -> None:
     if not path.is_dir():
         raise ValueError(f"{path} is a file; give a folder for the predictor")
     if not _saved_predictor(path):
-        others = sorted(e.name for e in path.iterdir() if not re.fullmatch(STALE, e.name) and e.name != LOCK)
+        others = sorted(e.name for e in path.iterdir() if not _ours(path, e.name))
         if others:
             shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
             raise ValueError(f"{path}: holds other files ({shown}) and no saved predictor; a save replaces "
@@ -100,6 +101,13 @@ def check_target(path: str | Path) -> None:
         raise ValueError(f"{path / LOCK}: {problem}; remove it (a save creates it as an empty file)")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{path}: cannot write in this folder (permission denied)")
+
+
+def _ours(path: Path, name: str) -> bool:
+    """An entry a save leaves in a folder before its pointer exists: a stale temporary, the lock,
+    or a complete predictor version (a first save killed between its rename and its pointer)."""
+    return (re.fullmatch(STALE, name) is not None or name == LOCK
+            or (VERSION_NAME.fullmatch(name) is not None and _is_predictor_folder(path / name)))
 
 
 def _saved_predictor(path: Path) -> bool:

@@ -120,4 +120,7 @@ def _predictor(policy) -> list[Metric]:
     if learner is not None:
         out.append(_one(CounterMetricFamily, "pbkv_predictor_retrains_total", "Online retrains of the predictor.",
                         learner.retrains))
+        out.append(_one(CounterMetricFamily, "pbkv_predictor_retrains_dropped_total",
+                        "Retrains not used: trained on fewer workflows than the loaded predictor, or failed.",
+                        getattr(learner, "dropped", 0)))
     return out

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import Pipe, get_context
 from pathlib import Path
@@ -33,8 +33,9 @@ from pbkv.policy import PolicyContext
 from pbkv.policy.registry import make_policy, needed_predictor, needs_future
 from pbkv.predict.history import read_history
 from pbkv.predict.online import OnlineLearner
-from pbkv.predict.store import check_target, has_predictor
+from pbkv.predict.store import check_target, has_predictor, live_dir
 from pbkv.serve.workflows import DEFAULT_AGENT
+from pbkv.stale import remove_stale
 
 log = logging.getLogger("pbkv.serve")
 # shutdown saves that failed in this process, in order: `pbkv serve` exits 1 after one (a failed
@@ -42,6 +43,7 @@ log = logging.getLogger("pbkv.serve")
 FAILED_SAVES: list[str] = []
 MIN_FINAL_TRAIN = 10   # ended workflows needed for the retrain at shutdown
 DEFAULT_NICE = 10      # the retrain process yields the CPU to the server (0: an equal share)
+TEMP_STALE = r"pbkv-learn-(?P<pid>\d+)-.*"   # a retrain's temporary folder, named with its server's PID
 
 
 @dataclass
@@ -69,10 +71,12 @@ class TrafficLearner(OnlineLearner):
     """
 
     skipped = 0
+    dropped = 0        # retrains not used: below `floor`, or lost with their process
     nice = DEFAULT_NICE
     floor = 0          # a retrain on fewer workflows is not used (`build_policy`: the loaded predictor's)
     _pool = None
     _lifeline = None
+    _killing = False   # set by `close(kill=True)`: a broken pool is then expected
 
     def poll(self):
         """`OnlineLearner.poll`, but a predictor trained on fewer than `floor` workflows is
@@ -86,6 +90,7 @@ class TrafficLearner(OnlineLearner):
         if predictor is not None and predictor.info.get("workflows", 0) < self.floor:
             log.info("not using a retrain on %d workflows: the loaded predictor was trained on %d",
                      predictor.info.get("workflows", 0), self.floor)
+            self.dropped += 1
             return None
         return predictor
 
@@ -101,14 +106,19 @@ class TrafficLearner(OnlineLearner):
         from pbkv.predict.predictor import load_predictor
         start = time.perf_counter()
         if self._pool is None:
+            remove_stale(tempfile.gettempdir(), TEMP_STALE)   # a killed server's (its PID is in the name)
             self._pool, self._lifeline = start_pool(self.nice)
-        with tempfile.TemporaryDirectory(prefix="pbkv-learn-") as folder:
+        with tempfile.TemporaryDirectory(prefix=f"pbkv-learn-{os.getpid()}-") as folder:
             try:
                 self._pool.submit(_train_in_child, traces, self.variant, self.horizon, self.seed + self.retrains,
                                   self.target_steps, folder).result()
-            except BrokenProcessPool:  # stopped by `close(kill=True)` at shutdown
+                predictor = load_predictor(folder)
+            except Exception as e:   # a thread that raises would lose this retrain without a word
+                if not self._killing:
+                    log.error("a retrain failed (%s: %s); serving goes on with the predictor in use",
+                              type(e).__name__, e)
+                    self.dropped += 1
                 return
-            predictor = load_predictor(folder)
         with self._lock:
             self._ready = predictor
             self.retrains += 1
@@ -133,8 +143,9 @@ class TrafficLearner(OnlineLearner):
     def close(self, kill: bool = False) -> None:
         if self._pool is not None:
             if kill:
+                self._killing = True
                 for proc in list(getattr(self._pool, "_processes", {}).values()):
-                    proc.terminate()
+                    proc.kill()   # SIGKILL: the child ignores SIGTERM (`_child_init`)
             self._pool.shutdown(wait=True, cancel_futures=True)  # quick once killed; frees its locks
             self._lifeline.close()
             self._pool = self._lifeline = None
@@ -154,6 +165,11 @@ def start_pool(nice: int):
 
 
 def _child_init(nice: int, lifeline, parent: int) -> None:
+    # Ctrl-C in a terminal (SIGINT) and a service manager's stop (SIGTERM) reach the whole
+    # process group: the server shuts down gracefully and waits for this retrain to save it,
+    # so the child must not die of them. It still exits with its parent (`_exit_with_parent`).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         os.nice(nice)
     except OSError:
@@ -200,13 +216,8 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
     predictors, loaded, history = {}, False, []
     if variant is not None:
         if predictor_dir is not None and has_predictor(predictor_dir):
-            from pbkv.predict.predictor import PredictorLoadError, load_predictor
-            try:
-                predictors[variant] = load_predictor(predictor_dir)
-            except PredictorLoadError as e:
-                raise ValueError(str(e)) from None
-            loaded, history = True, read_history(predictor_dir)
-            horizon = predictors[variant].horizon
+            predictors[variant], history = load_with_history(predictor_dir)
+            loaded, horizon = True, predictors[variant].horizon
         else:
             predictors[variant] = empty_markov(horizon)
         if predictor_dir is not None:  # saved there on shutdown: refuse now what would fail that save
@@ -223,6 +234,18 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
     return PolicySetup(policy, learner, variant, predictor_dir, loaded, history)
 
 
+def load_with_history(predictor_dir: Path):
+    """(predictor, the workflows saved with it), both from one version: the live folder is
+    resolved once, so a save by another server in between cannot pair them across versions.
+    Raises ValueError naming the file."""
+    from pbkv.predict.predictor import PredictorLoadError, load_predictor
+    try:
+        live = live_dir(predictor_dir)
+        return load_predictor(live), read_history(live)
+    except (PredictorLoadError, OSError) as e:
+        raise ValueError(str(e)) from None
+
+
 def finish_learning(setup: PolicySetup) -> Path | None:
     """At shutdown: wait for a retrain in progress, retrain on what is left (only when there is a
     --predictor to save it to), save. The path saved to, or None (nothing to save, or the save
@@ -237,7 +260,10 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     from pbkv.predict.predictor import NeuralPredictor
     predictor = getattr(policy, "predictor", None)
     if not isinstance(predictor, NeuralPredictor):
-        log.info("no trained predictor to save to %s (too few workflows ended)", setup.predictor_dir)
+        if learner is not None:   # the session's workflows are lost: say so where an operator looks
+            log.warning("nothing saved to %s: a predictor is first trained at shutdown once %d workflows "
+                        "with agent hints have ended (%d did); they are not kept", setup.predictor_dir,
+                        MIN_FINAL_TRAIN, len(learner.window))
         return None
     history = learner.workflows() if learner is not None else setup.history
     try:

@@ -141,8 +141,25 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
 
 def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = None) -> None:
     import uvicorn
+    log_to_stderr(log_level)
     state = state if state is not None else build_state(cfg)
     uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
+
+
+def log_to_stderr(level: str) -> None:
+    """Show pbkv's own messages (retrains, saves, fallbacks) at the server's log level, in
+    uvicorn's format. Without a handler Python prints only warnings, unprefixed; a handler
+    already set (by an embedding program) is left alone."""
+    from uvicorn.config import LOG_LEVELS
+    from uvicorn.logging import DefaultFormatter
+    logger = logging.getLogger("pbkv")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(LOG_LEVELS.get(level, logging.INFO))
+    logger.propagate = False   # as uvicorn's loggers: a root handler must not print each line twice
 
 
 class ServerThread:
