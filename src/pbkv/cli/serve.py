@@ -66,7 +66,8 @@ def serve(
                                                        "instead of starting a local Ray.")] = None,
     replica_cpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray CPUs reserved per replica.",
                                                 min=0)] = 1.0,
-    replica_gpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray GPUs per replica.", min=0)] = 0.0,
+    replica_gpus: Annotated[float, typer.Option(help="With --replicas > 1: Ray GPUs per replica (a local Ray "
+                                                "refuses more than this machine has).", min=0)] = 0.0,
     measured_costs: Annotated[bool, typer.Option(help="With --replicas > 1: the router weighs the prefill and "
                                                  "KV-transfer costs the replicas measure and report, instead of "
                                                  "fixed estimates (CPU costs without CUDA, GPU defaults with).")] = False,
@@ -106,11 +107,13 @@ def serve(
         if len(FAILED_SAVES) > failed:   # already logged as one error line at shutdown
             raise typer.Exit(1)
         return
-    from pbkv.scale.options import ReplicaOptions, check_options
+    from pbkv.scale.options import ReplicaOptions, check_local, check_options, local_machine
     opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
                           replica_gpus=replica_gpus, measured_costs=measured_costs)
     with exit_on_error():
         check_options(opts)          # before the Ray import: a bad option is refused with or without Ray
+        if ray_address is None:
+            check_local(opts, *local_machine())
     try:
         from pbkv.scale.serve_app import run as run_replicas
     except ImportError as e:

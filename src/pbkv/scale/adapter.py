@@ -221,11 +221,17 @@ class Overlay:
 
 
 _ROUTERS: "weakref.WeakSet" = weakref.WeakSet()   # this process's Ray routers (see `decision_seconds`)
+# app name -> its newest router in this process (see `running_replicas`): a newer one (a new handle,
+# a new Ray session) supersedes routers of earlier sessions that something may still hold
+_NEWEST: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def register_router(router) -> None:
     """Called by each `PBKVRequestRouter` (it keeps `decision_s`, seconds per routing decision)."""
     _ROUTERS.add(router)
+    app = _app_of(router)
+    if app is not None:
+        _NEWEST[app] = router
 
 
 def decision_seconds(clear: bool = False) -> list[float]:
@@ -237,3 +243,19 @@ def decision_seconds(clear: bool = False) -> list[float]:
         for r in routers:
             r.decision_s.clear()
     return out
+
+
+def running_replicas(app_name: str) -> int | None:
+    """Replicas of the app `app_name` that this process's (newest) router of it knows to be running
+    (Ray's controller tells it of each change; it also drops a replica as soon as a call finds it
+    dead); None when this process has no router of that app. No remote call: cheap enough for every
+    /health probe, and it cannot hang on a stuck replica."""
+    router = _NEWEST.get(app_name)
+    return None if router is None else len(router.curr_replicas)
+
+
+def _app_of(router) -> str | None:
+    try:
+        return router.app_name
+    except AttributeError:   # a router built without Ray's constructor (unit tests)
+        return None

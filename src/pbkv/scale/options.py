@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+
+# a local Ray: each replica is a process holding the model, so more than this many per CPU core is
+# a mistake (Ray would be started with the CPUs inflated to fit them: `serve_app.start_ray`)
+MAX_REPLICAS_PER_CPU = 4
 
 
 @dataclass
@@ -30,3 +36,35 @@ def check_options(opts: ReplicaOptions) -> None:
     if (opts.ray_address or "").startswith("ray://"):
         raise ValueError(f"--ray-address {opts.ray_address}: Ray Client (ray://) cannot stream from deployments, "
                          f"which every call does; run pbkv serve on a node of the cluster with --ray-address auto")
+
+
+def gpus_needed(replicas: int, per_replica: float) -> float:
+    """GPUs Ray needs to place `replicas` replicas of `per_replica` GPUs each: with a fraction, a
+    GPU holds floor(1 / fraction) of them (Ray never spreads one replica over two GPUs)."""
+    if per_replica <= 0:
+        return 0
+    if per_replica < 1:
+        return math.ceil(replicas / math.floor(1 / per_replica + 1e-9))   # 1e-9: 1 / (1/3) may be 2.999...
+    return replicas * per_replica
+
+
+def local_machine() -> tuple[int, int]:
+    """(CPU cores, CUDA GPUs) of this machine: what a local Ray started here can place replicas on.
+    The GPUs are torch's count, the replicas' engines use torch."""
+    import torch
+    return os.cpu_count() or 1, torch.cuda.device_count()
+
+
+def check_local(opts: ReplicaOptions, cpus: int, gpus: int) -> None:
+    """Refuse a layout that a local Ray on a machine of `cpus` cores and `gpus` GPUs could never
+    place (Ray would wait for it forever, silently) or that is surely a typo (ValueError)."""
+    most = MAX_REPLICAS_PER_CPU * cpus
+    if opts.replicas > most:
+        raise ValueError(f"--replicas {opts.replicas} is more than a local Ray on {cpus} CPU cores runs ({most}: "
+                         f"{MAX_REPLICAS_PER_CPU} per core, each replica loads the model); join a cluster with "
+                         f"--ray-address for more")
+    need = gpus_needed(opts.replicas, opts.replica_gpus)
+    if need > gpus:
+        raise ValueError(f"--replicas {opts.replicas} with --replica-gpus {opts.replica_gpus:g} needs {need:g} GPUs, "
+                         f"and this machine has {gpus}: Ray would wait forever to place them; use fewer, or join "
+                         f"a cluster that has them with --ray-address")

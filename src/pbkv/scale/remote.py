@@ -18,6 +18,15 @@ Invariant (as `EngineWorker`'s): every submitted job that is not cancelled gets 
 Workflow ends: a call with `workflow_done` ends its run on the replica that served it; other
 replicas that served calls of that workflow (tracked in `visited`) are told to end theirs too,
 and `POST /v1/workflows/{id}/end` is broadcast to every replica.
+
+Broadcasts (`broadcast`, also /metrics'): Ray Serve's `handle.broadcast(m).results_async(...)` is
+all or nothing (one frozen replica times the whole call out; with no replica running it raises
+`DeploymentUnavailableError` before any answer exists). `broadcast` gives each replica its own
+`REPLICA_TIMEOUT_S` (waited on together) and returns the answers that came; a replica that raised
+or did not answer is logged and left out, never raised. When no replica answers a workflow end,
+the endpoint gets a 503 `replicas_unavailable` with Retry-After (Ray is restarting them, or every
+one is stuck), not a 404: nobody could say whether the workflow ran.
+This module imports without Ray (unit-tested with fake handles).
 """
 
 from __future__ import annotations
@@ -26,20 +35,72 @@ import asyncio
 import logging
 import secrets
 
-from ray.exceptions import RayActorError
-
 from pbkv.engine.hf import ERROR, block_hashes
 from pbkv.scale.failover import Action, decide, route_hints
+from pbkv.serve.errors import APIError
 from pbkv.serve.generate import REPLICA_FAILED
 from pbkv.serve.jobs import Done, Job
 
 log = logging.getLogger("pbkv.scale")
 MAX_VISITED = 100_000   # workflows remembered for ending elsewhere (ones that end idle are never popped)
+RETRY_AFTER_S = 5       # Ray restarts a lost replica in tens of seconds: clients retry a few times meanwhile
+REPLICA_TIMEOUT_S = 5.0   # a replica that has not answered a broadcast by then is left out of it
 
 
 def replica_lost(exc: BaseException | None) -> bool:
     """The replica process died or cannot be reached (as opposed to an error it raised)."""
+    from ray.exceptions import RayActorError   # here: this module imports without Ray (unit tests)
     return isinstance(exc, RayActorError)
+
+
+def replicas_unavailable() -> APIError:
+    """No engine replica answered: nothing can be said about the request, retry it later."""
+    return APIError(503, "No engine replica answered (they may be restarting); retry later.", "server_error",
+                    None, "replicas_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _replica_results(response) -> list:
+    """The broadcast's per-replica results (each has `get_async()`). Ray 2.60's
+    `DeploymentBroadcastResponse` has no public way to wait on each replica on its own: this is
+    the step `results_async` takes before it gathers them. A Ray without that step gets the
+    public all-or-nothing call (one frozen replica then times the whole broadcast out)."""
+    fetch = getattr(response, "_fetch_replica_results_async", None)
+    if fetch is None:
+        return [_Done(r) for r in await response.results_async(timeout_s=REPLICA_TIMEOUT_S, return_exceptions=True)]
+    return await fetch()
+
+
+class _Done:
+    """A result already in hand, with the per-replica result's `get_async()`."""
+
+    def __init__(self, value):
+        self.value = value
+
+    async def get_async(self):
+        if isinstance(self.value, BaseException):
+            raise self.value
+        return self.value
+
+
+async def broadcast(handle, method: str, *args) -> list:
+    """`method(*args)`'s answers from the replicas that answered within `REPLICA_TIMEOUT_S` each
+    (in no given order); [] when no replica runs (or the deployment cannot be reached). Never
+    raises an error of a replica or of Ray; a call that got fewer answers logs one warning."""
+    timeout_s = REPLICA_TIMEOUT_S
+    try:
+        results = await asyncio.wait_for(_replica_results(handle.broadcast(method, *args)), timeout_s)
+    except Exception as exc:  # noqa: BLE001 - DeploymentUnavailableError, a timeout: no replica to ask
+        log.warning("no engine replica to call %s on (%s: %s)", method, type(exc).__name__, exc)
+        return []
+    outcomes = await asyncio.gather(*(asyncio.wait_for(r.get_async(), timeout_s) for r in results),
+                                    return_exceptions=True)
+    answers = [o for o in outcomes if not isinstance(o, BaseException)]
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    if failed:
+        reasons = sorted({"timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__ for e in failed})
+        log.warning("%d of %d engine replicas gave no answer to %s (%s; each had %g s): left out",
+                    len(failed), len(outcomes), method, ", ".join(reasons), timeout_s)
+    return answers
 
 
 class RemoteWorker:
@@ -74,13 +135,20 @@ class RemoteWorker:
             task.cancel()
 
     def end_workflow(self, workflow_id: str) -> asyncio.Future:
-        """Resolves to whether any replica had a run of `workflow_id` (and ended it)."""
+        """Resolves to whether any replica that answered had a run of `workflow_id` (and ended it);
+        raises `replicas_unavailable()` when none answered."""
         self.visited.pop(workflow_id, None)
-        return asyncio.ensure_future(self._broadcast_end(workflow_id))
+        return asyncio.ensure_future(self._end_everywhere(workflow_id))
 
-    async def _broadcast_end(self, workflow_id: str) -> bool:
-        results = await self.handle.broadcast("end_workflow", workflow_id).results_async(return_exceptions=True)
-        return any(r is True for r in results)
+    async def _end_everywhere(self, workflow_id: str) -> bool:
+        answers = await self._broadcast_end(workflow_id)
+        if not answers:
+            raise replicas_unavailable()
+        return any(a is True for a in answers)
+
+    async def _broadcast_end(self, workflow_id: str) -> list:
+        """The answers of the replicas that answered in time (never raises: see `broadcast`)."""
+        return await broadcast(self.handle, "end_workflow", workflow_id)
 
     # ------------------------------------------------------------------ one job
 

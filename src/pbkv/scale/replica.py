@@ -27,7 +27,9 @@ than `FETCH_TIMEOUT_S` is given up: the call recomputes those tokens, nothing el
 Folders (`replica_config`): every replica reads and writes the same `--shared-dir` (that is the
 point of the shared tier: a call routed to replica B loads the prefix A computed), but a
 `--disk-dir` is private to one engine (its files are named by a per-process counter), so each
-replica gets its own subfolder of it.
+replica gets its own subfolder of it, `replica-<id>`; the engine's store removes its own folder
+inside it at shutdown, and the replica then removes `replica-<id>` when it created it and it is
+empty (`start_engine`, `stop_engine`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,31 @@ def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
         return cfg
     disk = os.path.join(cfg.cache.disk_dir, f"replica-{replica_id}")
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=disk))
+
+
+def start_engine(cfg: ServeConfig, replica_id: str):
+    """(the replica's `ServerState`, the folder it created for its disk tier or None): the folder
+    is `replica_config`'s subfolder of `disk_dir` when it did not exist before (only what pbkv
+    created is removed, by `stop_engine`)."""
+    own = replica_config(cfg, replica_id)
+    disk = own.cache.disk_dir if own is not cfg else None
+    created = disk if disk is not None and not os.path.exists(disk) else None
+    return build_state(own), created
+
+
+def stop_engine(state, created: str | None) -> None:
+    """The single-process shutdown (engine thread stopped, every workflow ended, the predictor
+    saved, the engine closed, which removes its disk folder), then `created` if it is empty."""
+    for fn in getattr(state, "on_shutdown", ()):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - run every shutdown step
+            log.exception("replica shutdown step failed")
+    if created is not None:
+        try:
+            os.rmdir(created)
+        except OSError:   # not empty (files put there by someone else) or already gone: left as is
+            pass
 
 
 def cache_stats(engine, table, load: float, replica_id: str, fetch_s_per_token: float | None = None) -> dict:
@@ -88,7 +115,7 @@ class EngineReplica:
     def __init__(self, cfg: ServeConfig):
         from ray import serve   # here, so `cache_stats` imports without Ray
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.state = build_state(replica_config(cfg, self.id))
+        self.state, self.created_dir = start_engine(cfg, self.id)
         self.seq = 0
         self._peers = None   # the deployment's handle, to ask another replica for KV
         self.fetch_s_per_token = None   # measured over this replica's fetches (running mean)
@@ -195,10 +222,6 @@ class EngineReplica:
         return self.id, s.metrics.exposition(snapshot).decode()
 
     def __del__(self):
-        """Ray Serve's graceful stop: the single-process shutdown (engine thread stopped, every
-        workflow ended, the predictor saved, the engine closed)."""
-        for fn in getattr(getattr(self, "state", None), "on_shutdown", ()):
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - run every shutdown step
-                log.exception("replica shutdown step failed")
+        """Ray Serve's graceful stop: `stop_engine` (nothing when the constructor failed early)."""
+        if hasattr(self, "state"):
+            stop_engine(self.state, getattr(self, "created_dir", None))

@@ -4,11 +4,11 @@ Two parts:
 - the engine deployment (`engine_app`): N `EngineReplica`s (`pbkv.scale.replica`), each today's
   engine side built from the same `ServeConfig`, behind pbkv's `PBKVRequestRouter` running the
   router named by `--router` (`pbkv.route` registry); Ray restarts a replica that dies;
-- the ingress (`ingress_state`): this process's uvicorn and `pbkv.serve.app`, unchanged (the
-  same routes, hints, API key, limits, error shapes), whose worker is a `RemoteWorker`
-  (`pbkv.scale.remote`: tokenized calls go to the replica the router picks; retries), whose
-  /metrics merges every replica's (`pbkv.scale.metrics_merge`) and whose /health names the
-  replicas that answer.
+- the ingress (`pbkv.scale.ingress.ingress_state`): this process's uvicorn and `pbkv.serve.app`,
+  unchanged (the same routes, hints, API key, limits, error shapes), whose worker is a
+  `RemoteWorker` (`pbkv.scale.remote`: tokenized calls go to the replica the router picks;
+  retries), whose /metrics merges what the replicas answer (`pbkv.scale.metrics_merge`) and whose
+  /health counts the replicas running (503 with none).
 Why the ingress is this process and not a Ray Serve ingress deployment: it keeps the server's
 own connection limits (header/body timeouts, keep-alive, max connections: `serve/limits.py`) and
 `--host/--port` exactly, needs no Ray HTTP proxy (started with `proxy_location="Disabled"`,
@@ -22,23 +22,16 @@ stream from deployments, so they are refused); pbkv must be importable on its no
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import time
 
 import ray
-from prometheus_client import Counter
-from prometheus_client.core import GaugeMetricFamily
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from pbkv.scale import metrics_merge
+from pbkv.scale.ingress import ingress_state
 from pbkv.scale.probe import CPU_COSTS, ROUTER_CLASS
-from pbkv.scale.options import ReplicaOptions, check_options
-from pbkv.scale.remote import RemoteWorker
+from pbkv.scale.options import ReplicaOptions, check_local, check_options, local_machine
 from pbkv.scale.replica import EngineReplica
-from pbkv.serve.app import ServerState
-from pbkv.serve.metrics import Metrics
 from pbkv.serve.server import ServeConfig
 
 log = logging.getLogger("pbkv.scale")
@@ -67,13 +60,16 @@ def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
 
 
 def start_ray(opts: ReplicaOptions, **init_kwargs) -> bool:
-    """Connect to Ray (join `ray_address`, else start a local one); True when started here."""
+    """Connect to Ray (join `ray_address`, else start a local one, once `options.check_local`
+    accepts the layout on this machine); True when started here."""
     if ray.is_initialized():
         return False
     if opts.ray_address:
         ray.init(address=opts.ray_address, namespace=f"pbkv-{opts.app_name}", **init_kwargs)
         return True
-    cpus = max(os.cpu_count() or 1, int(opts.replicas * opts.replica_cpus + 0.999))
+    cores, gpus = local_machine()
+    check_local(opts, cores, gpus)   # before Ray starts: it would wait forever for what it cannot place
+    cpus = max(cores, int(opts.replicas * opts.replica_cpus + 0.999))
     ray.init(address="local", namespace=f"pbkv-{secrets.token_hex(3)}", num_cpus=cpus,
              include_dashboard=False, **init_kwargs)
     return True
@@ -83,44 +79,6 @@ def deploy(cfg: ServeConfig, opts: ReplicaOptions):
     """Start Serve without its HTTP proxy and run the engine deployment; its handle."""
     serve.start(proxy_location="Disabled")
     return serve.run(engine_app(cfg, opts), name=opts.app_name, route_prefix=None)
-
-
-def _wait_for_replicas(handle, replicas: int, timeout: float = 120.0) -> list[dict]:
-    """Every replica's `info()`, once the handle's router knows all `replicas` of them."""
-    deadline = time.monotonic() + timeout
-    while True:
-        infos = handle.broadcast("info").results(timeout_s=max(1.0, deadline - time.monotonic()))
-        if len(infos) >= replicas or time.monotonic() > deadline:
-            return infos
-        time.sleep(0.1)   # the router learns of the replicas from Ray's controller shortly after serve.run
-
-
-def ingress_state(cfg: ServeConfig, handle, replicas: int) -> ServerState:
-    """The app's state for an ingress in front of the deployment behind `handle`."""
-    infos = _wait_for_replicas(handle, replicas)
-    if not infos:
-        raise RuntimeError("no engine replica answered")
-    info = infos[0]
-    metrics = Metrics()
-    retried = Counter("pbkv_replica_retried_requests_total", "Calls sent again to another replica because "
-                      "theirs was lost before any text reached the client.", registry=metrics.registry)
-    failed = Counter("pbkv_replica_failed_requests_total", "Calls ended with a replica_failed error: their "
-                     "replica was lost mid-stream, or again on the retry.", registry=metrics.registry)
-    worker = RemoteWorker(handle, info["block_size"], retried, failed)
-    state = ServerState(model_name=info["model_name"], policy_name=info["policy"], tokenizer=info["tokenizer"],
-                        worker=worker, metrics=metrics, max_context=info["max_context"], config=cfg)
-    answering = {"replicas": len(infos)}
-
-    async def exposition() -> bytes:
-        results = await handle.broadcast("metrics").results_async(timeout_s=30, return_exceptions=True)
-        texts = dict(r for r in results if isinstance(r, tuple))
-        answering["replicas"] = len(texts)
-        live = GaugeMetricFamily("pbkv_replicas", "Engine replicas that answered this scrape.", value=len(texts))
-        return metrics_merge.merge(metrics.exposition().decode(), texts, [live])
-
-    state.exposition = exposition
-    state.health = lambda: {"replicas": answering["replicas"]}
-    return state
 
 
 class ReplicaServer:

@@ -1,0 +1,327 @@
+"""`pbkv serve --replicas N` when replicas are gone or stuck, on fake deployment handles (no Ray,
+except the tests marked `ray`): /metrics answers with what the replicas that answered said,
+/v1/workflows/{id}/end answers 503 when none did and never waits on a frozen one, /health counts
+the replicas running at the time of the probe; the layout checks refuse what a local Ray could
+never place; a replica removes the `--disk-dir` subfolder it created."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from pbkv.scale import adapter, remote  # noqa: E402
+from pbkv.scale.ingress import ingress_state  # noqa: E402
+from pbkv.scale.metrics_merge import Merger  # noqa: E402
+from pbkv.scale.options import ReplicaOptions, check_local, gpus_needed  # noqa: E402
+from pbkv.serve import ServeConfig  # noqa: E402
+from pbkv.serve.app import create_app  # noqa: E402
+from pbkv.serve.errors import APIError  # noqa: E402
+from pbkv.serve.metrics import Metrics, parse  # noqa: E402
+
+KEY = "k"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+INFO = {"model_name": "tiny", "policy": "pbkv", "tokenizer": None, "max_context": 64, "block_size": 16}
+
+
+class Unavailable(Exception):
+    """Stands for Ray Serve's `DeploymentUnavailableError` (no replica running)."""
+
+
+@dataclass
+class FakeReplica:
+    """One replica's behaviour: answers, raises, or never answers (`frozen`, as under SIGSTOP)."""
+    id: str
+    prompt_tokens: int = 0
+    workflows: set = field(default_factory=set)
+    frozen: bool = False
+    calls: int = 0
+
+    async def get(self, method: str, args: tuple):
+        self.calls += 1
+        if self.frozen:
+            await asyncio.Event().wait()
+        if method == "metrics":
+            m = Metrics()
+            m.prompt_tokens.inc(self.prompt_tokens)
+            return self.id, m.exposition().decode()
+        if method == "end_workflow":
+            found = args[0] in self.workflows
+            self.workflows.discard(args[0])
+            return found
+        return INFO | {"replica": self.id}
+
+
+class FakeResult:
+    def __init__(self, replica: FakeReplica, method: str, args: tuple):
+        self.replica, self.method, self.args = replica, method, args
+
+    async def get_async(self):
+        return await self.replica.get(self.method, self.args)
+
+
+class FakeResponse:
+    """What `handle.broadcast` returns: raises `error` (when set) before any per-replica result."""
+
+    def __init__(self, handle: "FakeHandle", method: str, args: tuple):
+        self.handle, self.method, self.args = handle, method, args
+
+    async def _fetch_replica_results_async(self):
+        if self.handle.error is not None:
+            raise self.handle.error
+        return [FakeResult(r, self.method, self.args) for r in self.handle.replicas]
+
+    def results(self, timeout_s=None):   # the sync call the ingress makes once, at start
+        return [INFO | {"replica": r.id} for r in self.handle.replicas]
+
+
+class FakeHandle:
+    app_name = "fake-app"
+
+    def __init__(self, *replicas: FakeReplica):
+        self.replicas, self.error = list(replicas), None
+
+    def broadcast(self, method: str, *args):
+        return FakeResponse(self, method, args)
+
+    def options(self, **_):
+        return self
+
+
+@dataclass(eq=False)   # hashable: the registry is a WeakSet
+class FakeRouter:
+    """This process's Ray router of the app, as `adapter.running_replicas` reads it."""
+    app_name: str
+    curr_replicas: dict
+
+
+@pytest.fixture
+def short_timeout(monkeypatch):
+    monkeypatch.setattr(remote, "REPLICA_TIMEOUT_S", 0.3)
+
+
+def _ingress(handle: FakeHandle):
+    state = ingress_state(ServeConfig(model="tiny", api_key=KEY), handle, len(handle.replicas))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://ingress")
+
+
+def test_with_every_replica_gone_metrics_health_and_end_answer_without_a_500(short_timeout):
+    a, b = FakeReplica("a", prompt_tokens=30), FakeReplica("b", prompt_tokens=12)
+    handle = FakeHandle(a, b)
+    router = FakeRouter(handle.app_name, {"a": a, "b": b})
+    adapter.register_router(router)
+
+    async def main():
+        async with _ingress(handle) as http:
+            assert parse((await http.get("/metrics", headers=AUTH)).text)["pbkv_prompt_tokens_total"] == 42
+            assert (await http.get("/health")).json()["replicas"] == 2
+            handle.error, router.curr_replicas = Unavailable("Deployment(name='PBKVEngine')"), {}   # both killed
+            metrics = await http.get("/metrics", headers=AUTH)
+            assert metrics.status_code == 200
+            got = parse(metrics.text)
+            assert got["pbkv_replicas"] == 0 and got["pbkv_prompt_tokens_total"] == 42   # their last counts
+            assert got['pbkv_requests_total{endpoint="/metrics",status="200"}'] == 1     # the ingress's own
+            end = await http.post("/v1/workflows/w1/end", headers=AUTH)
+            assert end.status_code == 503 and end.headers["retry-after"] == str(remote.RETRY_AFTER_S)
+            assert end.json()["error"]["code"] == "replicas_unavailable"
+            assert end.json()["error"]["type"] == "server_error"
+            health = await http.get("/health")
+            assert health.status_code == 503 and health.headers["retry-after"]
+            assert health.json()["status"] == "unavailable" and health.json()["replicas"] == 0
+            assert (await http.head("/health")).status_code == 503      # a load balancer's probe
+    asyncio.run(main())
+
+
+def test_a_frozen_replica_leaves_metrics_and_end_to_the_others_within_the_timeout(short_timeout):
+    a, b = FakeReplica("a", prompt_tokens=5, workflows={"w1"}), FakeReplica("b", prompt_tokens=7)
+    handle = FakeHandle(a, b)
+
+    async def main():
+        async with _ingress(handle) as http:
+            await http.get("/metrics", headers=AUTH)
+            a.frozen = True
+            start = time.monotonic()
+            got = parse((await http.get("/metrics", headers=AUTH)).text)
+            assert got["pbkv_replicas"] == 1 and got['pbkv_prompt_tokens_total{replica="b"}'] == 7
+            assert got["pbkv_prompt_tokens_total"] == 12                 # a's last known 5 still counts
+            end = await http.post("/v1/workflows/w2/end", headers=AUTH)
+            assert end.status_code == 404                               # b answered: it had no run of w2
+            assert time.monotonic() - start < 10 * remote.REPLICA_TIMEOUT_S
+            b.frozen = True                                             # nobody answers now: 503, not a hang
+            assert (await http.post("/v1/workflows/w1/end", headers=AUTH)).status_code == 503
+    asyncio.run(main())
+
+
+class PublicOnlyResponse:
+    """A Ray whose broadcast response has only the public all-or-nothing call."""
+
+    def __init__(self, results):
+        self.results = results
+
+    async def results_async(self, timeout_s=None, return_exceptions=False):
+        assert timeout_s == remote.REPLICA_TIMEOUT_S and return_exceptions
+        return self.results
+
+
+def test_without_rays_per_replica_step_a_broadcast_uses_the_public_call():
+    class Handle:
+        def broadcast(self, method, *args):
+            return PublicOnlyResponse([True, RuntimeError("replica raised"), False])
+    assert asyncio.run(remote.broadcast(Handle(), "end_workflow", "w")) == [True, False]
+
+
+def test_health_counts_the_replicas_running_now_without_a_scrape():
+    a, b = FakeReplica("a"), FakeReplica("b")
+    handle = FakeHandle(a, b)
+    router = FakeRouter(handle.app_name, {"a": a, "b": b})
+    adapter.register_router(router)
+
+    async def main():
+        async with _ingress(handle) as http:
+            assert (await http.get("/health")).json() == {"status": "ok", "model": "tiny", "policy": "pbkv",
+                                                          "replicas": 2}
+            del router.curr_replicas["b"]                  # Ray's controller saw b die
+            assert (await http.get("/health")).json()["replicas"] == 1
+            router.curr_replicas["c"] = FakeReplica("c")   # and brought up its replacement
+            assert (await http.get("/health")).json()["replicas"] == 2
+    asyncio.run(main())
+    assert a.calls == b.calls == 0                         # /health asked no replica
+
+
+def test_ending_a_workflow_elsewhere_in_the_background_never_raises(short_timeout, caplog):
+    handle = FakeHandle(FakeReplica("a"))
+    handle.error = Unavailable("gone")
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        worker.visited["w"] = {"a", "b"}
+        worker._end_elsewhere("w", "a")
+        await asyncio.gather(*worker._background)
+        with pytest.raises(APIError) as err:
+            await worker.end_workflow("w")
+        assert err.value.status == 503
+    asyncio.run(main())
+    assert "no engine replica to call end_workflow on (Unavailable" in caplog.text
+
+
+@pytest.mark.ray
+def test_rays_own_unavailable_error_is_taken_as_no_replica(short_timeout):
+    exceptions = pytest.importorskip("ray.serve.exceptions")
+    from ray.serve._private.common import DeploymentID
+    handle = FakeHandle(FakeReplica("a"))
+    handle.error = exceptions.DeploymentUnavailableError(DeploymentID(name="PBKVEngine", app_name="pbkv"))
+    assert asyncio.run(remote.broadcast(handle, "metrics")) == []
+
+
+def test_merging_after_every_replica_is_gone_keeps_each_counter_once():
+    merger = Merger()
+    m = Metrics()
+    m.prompt_tokens.inc(9)
+    merger.merge("", {"a": m.exposition().decode()})
+    for _ in range(3):
+        assert parse(merger.merge("", {}).decode())["pbkv_prompt_tokens_total"] == 9
+
+
+# ---------------------------------------------------------------------- the layout a local Ray can place
+
+def test_a_local_ray_refuses_more_gpus_than_the_machine_has():
+    assert gpus_needed(2, 0) == 0 and gpus_needed(2, 1) == 2 and gpus_needed(3, 0.5) == 2
+    assert gpus_needed(3, 1 / 3) == 1 and gpus_needed(4, 0.6) == 4      # 0.6 + 0.6 does not fit one GPU
+    with pytest.raises(ValueError, match="needs 2 GPUs, and this machine has 0"):
+        check_local(ReplicaOptions(replicas=2, replica_gpus=1), cpus=8, gpus=0)
+    with pytest.raises(ValueError, match="needs 2 GPUs, and this machine has 1"):
+        check_local(ReplicaOptions(replicas=3, replica_gpus=0.5), cpus=8, gpus=1)
+    check_local(ReplicaOptions(replicas=2, replica_gpus=0.5), cpus=8, gpus=1)
+    check_local(ReplicaOptions(replicas=2), cpus=1, gpus=0)
+
+
+def test_a_local_ray_refuses_absurd_replica_counts():
+    from pbkv.scale.options import MAX_REPLICAS_PER_CPU
+    check_local(ReplicaOptions(replicas=2 * MAX_REPLICAS_PER_CPU), cpus=2, gpus=0)
+    with pytest.raises(ValueError, match="--replicas 1000 is more than a local Ray on 2 CPU cores runs"):
+        check_local(ReplicaOptions(replicas=1000), cpus=2, gpus=0)
+
+
+@pytest.mark.parametrize("args, message", [(["--replica-gpus", "1"], "needs 2 GPUs"),
+                                           (["--replicas", "1000"], "--replicas 1000 is more than")])
+def test_pbkv_serve_refuses_them_at_start(monkeypatch, args, message):
+    from typer.testing import CliRunner
+
+    import pbkv.scale.options as options
+    from pbkv.cli import app
+    monkeypatch.setattr(options, "local_machine", lambda: (2, 0))
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", *args])
+    assert r.exit_code == 2 and message in " ".join(r.output.replace("│", " ").split()), r.output
+
+
+# ---------------------------------------------------------------------- a replica's --disk-dir subfolder
+
+def test_a_replica_removes_the_disk_subfolder_it_created(tmp_path):
+    import dataclasses
+
+    from pbkv.cache import CacheConfig
+    from pbkv.scale.replica import start_engine, stop_engine
+    cfg = ServeConfig(model="tiny", online=False, cache=CacheConfig(device_tokens=4096, disk_dir=str(tmp_path)))
+    state, created = start_engine(cfg, "r1")
+    assert created == str(tmp_path / "replica-r1") and any((tmp_path / "replica-r1").iterdir())
+    stop_engine(state, created)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "replica-r2").mkdir()                       # there before: not pbkv's to remove
+    state, created = start_engine(cfg, "r2")
+    stop_engine(state, created)
+    assert created is None and (tmp_path / "replica-r2").is_dir()
+    no_disk = dataclasses.replace(cfg, cache=CacheConfig(device_tokens=4096))
+    state, created = start_engine(no_disk, "r3")
+    stop_engine(state, created)
+    assert created is None
+
+
+# ---------------------------------------------------------------------- for real: a local Ray, one replica
+
+@pytest.mark.ray
+def test_with_the_deployment_gone_the_ingress_still_answers_metrics_health_and_end(tmp_path):
+    """One `tiny` replica on a local Ray, then its app deleted under the running ingress: Ray's
+    handle then raises DeploymentUnavailableError on every broadcast, as with every replica dead."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    pytest.importorskip("ray")
+    from ray import serve
+
+    from pbkv.cache import CacheConfig
+    from pbkv.scale.serve_app import ReplicaServer
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])  # the replica imports this pbkv
+    cfg = ServeConfig(model="tiny", port=0, threads=1, cache=CacheConfig(device_tokens=4096), api_key=KEY,
+                      default_max_tokens=4)
+    opts = ReplicaOptions(replicas=1, app_name="pbkv-gone", stats_period_s=0.5)
+    srv = ReplicaServer(cfg, opts, log_to_driver=False, _temp_dir=tempfile.mkdtemp(prefix="pbkvray")).start()
+    try:
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "count me", "workflow_id": "w1"}
+            assert http.post("/v1/completions", json=body).status_code == 200
+            assert http.get("/health").json()["replicas"] == 1
+            before = parse(http.get("/metrics").text)
+            assert before["pbkv_replicas"] == 1 and before["pbkv_prompt_tokens_total"] > 0
+            serve.delete(opts.app_name)
+            deadline = time.monotonic() + 30
+            while http.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["replicas"] == 0
+            metrics = http.get("/metrics")
+            assert metrics.status_code == 200
+            after = parse(metrics.text)
+            assert after["pbkv_replicas"] == 0
+            assert after["pbkv_prompt_tokens_total"] == before["pbkv_prompt_tokens_total"]
+            end = http.post("/v1/workflows/w1/end")
+            assert end.status_code == 503 and end.json()["error"]["code"] == "replicas_unavailable"
+            assert http.get("/health").status_code == 503        # the same kept-alive connection still serves
+    finally:
+        srv.stop()
