@@ -46,6 +46,8 @@ def test_auto_regimes_come_from_the_working_set():
     got = auto_regimes(wl, 100, [])
     assert [(r.tiers, r.device_tokens) for r in got] == [("device", 60), ("device+host", 60)]
     assert got[1].host_tokens == 120
+    # with tier sets given, both auto shares clamp to the largest call here: each regime runs once
+    assert [(r.tiers, r.device_tokens) for r in auto_regimes(wl, 1, ["device"])] == [("device", 60)]
 
 
 def test_parsing_errors_are_clear():
@@ -56,6 +58,8 @@ def test_parsing_errors_are_clear():
         parse_pressures("x")
     with pytest.raises(ValueError, match="--tiers: unknown tier set 'gpu'"):
         parse_tiers("device,gpu")
+    with pytest.raises(ValueError, match="--tiers: device given twice"):
+        parse_tiers("device,device")
 
 
 def test_sweep_jobs_cross_regimes_and_speedups_are_per_regime():
@@ -139,3 +143,6 @@ def test_verdict_peers_leave_out_pbkv_subclasses_and_future_readers(monkeypatch)
     assert verdicts(records) == [
         "swe: pbkv 1.10x LRU, 1.06x the best peer (vllm), 50% of the oracle's gain (1.20x) "
         "[device, pressure 0.05, conc 8]"]
+    # a peer named by its class path is a peer, though the path starts with "pbkv"
+    records.append(rec("pbkv.policy.scalesim:ScaleSimPolicy", 1.05))
+    assert "the best peer (pbkv.policy.scalesim:ScaleSimPolicy)" in verdicts(records)[0]

@@ -38,6 +38,8 @@ def test_bench_generated_workloads_and_table(tmp_path):
     assert r.exit_code == 0, r.output
     assert "finance: 10 workflows" in r.output and "dialogue" in r.output
     records = json.loads((tmp_path / "x.json").read_text())
+    # --json is written as well as OUT/bench.json (beside the plots), never instead of it
+    assert (tmp_path / "bench.json").read_bytes() == (tmp_path / "x.json").read_bytes()
     # LRU (the reference) and the oracle (the bound) are always added; by default each cell runs
     # in two regimes chosen from the workload's working set (device only, device + host)
     assert len(records) == 24 and [r["policy"] for r in records[:3]] == ["lru", "kvflow", "oracle"]

@@ -109,9 +109,11 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     if lines and args.samples == 1 and args.engine == "sim":
         console.print("one sample per cell: a replay's latency moves by ~1% with a few tokens more memory "
                       "(pbkv.bench.samples); --samples 3 shows each speedup's range", highlight=False)
-    path = write_json(records, args.json_path or args.out / "bench.json")
+    # OUT/bench.json always (beside the plots, so no earlier run's figures stay next to them), and
+    # --json too when given
+    paths = [write_json(records, p) for p in dict.fromkeys([args.out / "bench.json", args.json_path]) if p]
     plots = write_plots(records, args.out)
-    console.print(f"results: {path}" + "".join(f"\n         {p}" for p in plots))
+    console.print("results: " + "\n         ".join(map(str, [*paths, *plots])))
     return records
 
 

@@ -57,6 +57,9 @@ def parse_tiers(value: str) -> list[str]:
     for n in names:
         if n not in TIER_SETS:
             raise ValueError(f"--tiers: unknown tier set {n!r}; expected {', '.join(TIER_SETS)} (comma-separated)")
+    for i, n in enumerate(names):
+        if n in names[:i]:   # it would run twice and count every sample twice
+            raise ValueError(f"--tiers: {n} given twice")
     return names
 
 
@@ -139,5 +142,7 @@ def auto_regimes(workload, concurrency: int | None, tiers: list[str], host_token
     out = []
     for t, share in pairs:
         device = max(floor, int(min(1.0, share * working / total) * total))
-        out.append(_with_tiers(round(device / total, 4), t, device, host_tokens, disk_tokens))
+        regime = _with_tiers(round(device / total, 4), t, device, host_tokens, disk_tokens)
+        if regime not in out:   # both shares clamped to the largest call: one regime, run once
+            out.append(regime)
     return out

@@ -50,7 +50,7 @@ def _is_peer(name: str, subject: str) -> bool:
     subject (by name, or an out-of-tree subclass such as examples/ablation_policies.py's), and
     not a diagnostic that reads the replayed trace's future. A name the registry does not know
     (a record from another engine, e.g. "vllm") counts as a peer."""
-    if name in REFERENCES or name.startswith(subject):
+    if name in REFERENCES or name == subject or name.startswith(subject + "-"):   # not "pbkv.policy.x:Y"
         return False
     try:
         cls, base = policy_class(name), policy_class(subject)

@@ -90,7 +90,9 @@ def bench(
         fail(f"--engine: unknown engine {engine!r}; available: {', '.join(ENGINES)}")
     check_horizon(horizon)
     check_exist(*(trace or []), *(train or []), predictor)
-    check_outputs([*(trace or []), *(train or [])], {"--json": json_path} if json_path else {"--out": out / "bench.json"})
+    if json_path is not None and json_path.resolve() == (out / "bench.json").resolve():
+        json_path = None   # the same file: written once
+    check_outputs([*(trace or []), *(train or [])], {"--out": out / "bench.json", **({"--json": json_path} if json_path else {})})
     run_bench(BenchArgs(
         sources=sources(workload, trace, workflows, seed), policies=distinct("--policies", split(policies)),
         concurrency=concurrency_list(concurrency), profile=profile,
