@@ -146,3 +146,14 @@ def test_verdict_peers_leave_out_pbkv_subclasses_and_future_readers(monkeypatch)
     # a peer named by its class path is a peer, though the path starts with "pbkv"
     records.append(rec("pbkv.policy.scalesim:ScaleSimPolicy", 1.05))
     assert "the best peer (pbkv.policy.scalesim:ScaleSimPolicy)" in verdicts(records)[0]
+
+
+def test_verdict_gives_each_router_of_a_cluster_run_its_own_segment():
+    def rec(policy, speedup, router):
+        return {"workload": "swe", "policy": policy, "concurrency": 8, "tiers": "device", "pressure": 0.05,
+                "speedup_vs_lru": speedup, "router": router, "instances": 2}
+    records = [rec(p, s, router) for router, pb in (("prefix", 1.00), ("pbkv", 1.10))
+               for p, s in (("lru", 1.0), ("pbkv", pb), ("oracle", 1.2))]
+    line, = verdicts(records)
+    assert "pbkv 1.00x LRU" in line and "router prefix, 2 instances" in line
+    assert "pbkv 1.10x LRU" in line and "router pbkv, 2 instances" in line

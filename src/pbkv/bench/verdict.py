@@ -30,8 +30,8 @@ def verdicts(records: list[dict], subject: str = SUBJECT) -> list[str]:
 def _cells(rows: list[dict], subject: str) -> list[dict]:
     """Per (regime, concurrency): the subject's, best peer's and oracle's speedups over LRU."""
     cells = []
-    for key in dict.fromkeys((regime_of(r), r["concurrency"]) for r in rows):
-        mine = [r for r in rows if (regime_of(r), r["concurrency"]) == key]
+    for key in dict.fromkeys(map(_cell_key, rows)):
+        mine = [r for r in rows if _cell_key(r) == key]
         by = {r["policy"]: r.get("speedup_vs_lru", 1.0) for r in mine}
         if subject not in by:
             continue
@@ -43,6 +43,12 @@ def _cells(rows: list[dict], subject: str) -> list[dict]:
         cells.append({"row": mine[0], "subject": by[subject], "oracle": by.get("oracle"),
                       "peer": best, "peer_speedup": peers.get(best), "spread": spread})
     return sorted(cells, key=lambda c: -(c["oracle"] or 1.0))
+
+
+def _cell_key(r: dict) -> tuple:
+    """One cell per regime, concurrency and (simulated cluster) router and instance count: each
+    router's records have their own LRU and oracle."""
+    return regime_of(r), r["concurrency"], r.get("router"), r.get("instances")
 
 
 def _is_peer(name: str, subject: str) -> bool:
@@ -78,4 +84,6 @@ def _segment(c: dict, subject: str) -> str:
     if r.get("pressure"):
         where.append(f"pressure {r['pressure']:g}")
     where.append(f"conc {r['concurrency'] or 'open'}")
+    if r.get("router") is not None:
+        where.append(f"router {r['router']}, {r.get('instances')} instances")
     return f"{text} [{', '.join(where)}]"
