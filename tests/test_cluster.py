@@ -36,6 +36,18 @@ def test_one_instance_cluster_is_the_plain_simulator_exactly():
         assert (c["instances"], c["router"], c["bytes_moved_between_instances"]) == (1, router, 0.0)
 
 
+def test_one_pbkv_instance_reports_the_plain_records_monitor_readings():
+    wl = load_workload(WL)
+    run = cfg("pbkv")
+    run.predictors = {needed_predictor("pbkv"): fit_markov_seqs([[c.agent for c in w] for w in wl.workflows], horizon=3)}
+    one = simulate(load_workload(WL), run)
+    c = simulate_cluster(load_workload(WL), run, 1, "sticky", get_link("pcie4"))
+    keys = ("monitor_samples", "monitor_top1", "monitor_baseline_top1", "trust", "retired_reuse")
+    assert all(k in one for k in keys) and {k: c[k] for k in keys} == {k: one[k] for k in keys}
+    two = simulate_cluster(load_workload(WL), run, 2, "sticky", get_link("pcie4"))
+    assert two["monitor_samples"] > 0 and 0 <= two["monitor_top1"] <= 1 and 0 <= two["trust"] <= 1
+
+
 @pytest.mark.parametrize("router", ["round-robin", "least-load", "prefix", "sticky", "pbkv"])
 def test_every_call_is_served_once_and_every_token_accounted(router):
     wl = load_workload(WL)

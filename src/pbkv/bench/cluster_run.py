@@ -78,8 +78,28 @@ def simulate_cluster(workload: Workload, cfg: RunConfig, instances: int, router:
         "kv_fetches": cluster.stats.fetches, "kv_fetch_failed": cluster.stats.fetch_failed, "workflow_moves": cluster.stats.moves,
         "max_instance_share": max(cluster.stats.calls) / max(1, sum(cluster.stats.calls)),
     })
+    record.update(monitor_summary([getattr(e.policy, "monitor", None) for e in engines]))
     if shared is not None:
         record.update({"shared_tier_tokens": shared_tokens, "shared_tier_reads": cluster.stats.shared_reads,
                        "bytes_from_shared_tier": cluster.stats.bytes_from_shared,
                        "bytes_to_shared_tier": cluster.stats.bytes_to_shared})
     return record
+
+
+def monitor_summary(monitors: list) -> dict:
+    """The instances' predictor-monitor readings as one run's (`PredictionMonitor.summary`): one
+    instance's as they are, so one instance behind a router reproduces the plain record; several
+    instances' readings averaged by their samples (`monitor_samples` summed), `retired_reuse`
+    by instance."""
+    summaries = [m.summary() for m in monitors if m is not None]
+    if len(summaries) <= 1:
+        return summaries[0] if summaries else {}
+    out = {"retired_reuse": sum(s["retired_reuse"] for s in summaries) / len(summaries)}
+    sampled = [s for s in summaries if s.get("monitor_samples")]
+    total = sum(s["monitor_samples"] for s in sampled)
+    if total:
+        out["monitor_samples"] = total
+        for key in sampled[0]:
+            if key not in out:
+                out[key] = sum(s[key] * s["monitor_samples"] for s in sampled) / total
+    return out
