@@ -120,6 +120,9 @@ def test_a_shared_tier_lets_any_instance_reuse_what_another_computed():
     assert shared["bytes_to_shared_tier"] > 0 and shared["shared_tier_tokens"] == 10**6
     assert shared["recomputed_tokens"] < plain["recomputed_tokens"]
     assert "shared_tier_reads" not in plain
+    # round-robin never fetches from a peer: a shared read that found no room is not a failed fetch
+    assert shared["kv_fetches"] == 0 and shared["kv_fetch_failed"] == 0
+    assert 0 <= shared["shared_tier_reads_failed"] <= shared["shared_tier_reads"]
 
 
 def test_bench_cli_shared_tier_needs_instances(tmp_path):

@@ -81,6 +81,7 @@ def simulate_cluster(workload: Workload, cfg: RunConfig, instances: int, router:
     record.update(monitor_summary([getattr(e.policy, "monitor", None) for e in engines]))
     if shared is not None:
         record.update({"shared_tier_tokens": shared_tokens, "shared_tier_reads": cluster.stats.shared_reads,
+                       "shared_tier_reads_failed": cluster.stats.shared_read_failed,
                        "bytes_from_shared_tier": cluster.stats.bytes_from_shared,
                        "bytes_to_shared_tier": cluster.stats.bytes_to_shared})
     return record

@@ -105,8 +105,9 @@ class ClusterStats:
     bytes_moved: float = 0.0
     fetches: int = 0
     fetched_tokens: int = 0
-    fetch_failed: int = 0
+    fetch_failed: int = 0        # fetches from a peer whose blocks found no room on the target
     shared_reads: int = 0
+    shared_read_failed: int = 0  # the same for reads from the shared tier
     bytes_from_shared: float = 0.0
     bytes_to_shared: float = 0.0
     calls: list[int] = field(default_factory=list)   # calls routed to each instance
@@ -231,7 +232,7 @@ class Cluster:
             self.stats.fetched_tokens += tokens
             self.stats.bytes_moved += nbytes
         arrival = self.now
-        self.at(done, lambda: self._arrived(k, blocks, req, arrival))
+        self.at(done, lambda: self._arrived(k, blocks, req, arrival, shared))
 
     def _peer_blocks(self, call, decision, local: int) -> int:
         """Leading blocks the target holds once the router's peer fetch lands: `local` plus the
@@ -268,7 +269,7 @@ class Cluster:
             done(r)
         req.on_done = on_done
 
-    def _arrived(self, k: int, blocks: list[int], req: Request, arrival: float) -> None:
+    def _arrived(self, k: int, blocks: list[int], req: Request, arrival: float, shared: bool = False) -> None:
         engine = self.instances[k]
         engine.now = max(engine.now, self._t)
         node, have = engine.tree.match(blocks)
@@ -282,12 +283,18 @@ class Cluster:
                 _, added = cache.insert(blocks, engine.block_size, engine.now)
                 cache.release(missing - added)
             else:
-                self.stats.fetch_failed += 1
+                self._failed(shared)
             engine.tree.unlock(node)
         elif missing > 0:
-            self.stats.fetch_failed += 1
+            self._failed(shared)
         engine.submit(req)
         req.arrival = arrival   # the call waited for its KV: that wait is part of its latency
+
+    def _failed(self, shared: bool) -> None:
+        if shared:
+            self.stats.shared_read_failed += 1
+        else:
+            self.stats.fetch_failed += 1
 
 
 def _noop() -> None:
