@@ -109,7 +109,9 @@ def test_fuzz_never_a_5xx_never_a_hang(srv):
     def one(case):
         check(send(client, *case))
     one()
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 3})
+    # ignore_eos: a sampled first token may be EOS (0 tokens), which says nothing about the server
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "still there?", "max_tokens": 3,
+                                             "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert srv.state.worker.in_flight == 0
     assert sum(STATUS.values()) >= MAX_EXAMPLES and any(s < 300 for s in STATUS) and any(s >= 400 for s in STATUS)
