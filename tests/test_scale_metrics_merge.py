@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from pbkv.scale.metrics_merge import Merger, merge
+from pbkv.scale.metrics_merge import Merger
 from pbkv.serve.metrics import Metrics, parse
 
 
@@ -34,13 +34,13 @@ def _replica(prompt: int = 0, queue: float = 0, latency: list[float] = (), accur
 
 def test_predictor_accuracy_is_weighted_by_each_replicas_samples():
     fresh = _replica(accuracy=0.0, samples=0)          # a replica that has checked nothing reports 0
-    got = parse(merge("", {"a": _replica(accuracy=0.8, samples=1000), "b": fresh}).decode())
+    got = parse(Merger().merge("", {"a": _replica(accuracy=0.8, samples=1000), "b": fresh}).decode())
     assert got["pbkv_predictor_accuracy"] == 0.8 and got["pbkv_predictor_baseline_accuracy"] == 0.4
     assert got['pbkv_predictor_accuracy{replica="b"}'] == 0.0            # each replica's own figure stays
     busy = {"a": _replica(accuracy=0.9, samples=300), "b": _replica(accuracy=0.5, samples=100)}
-    got = parse(merge("", busy).decode())
+    got = parse(Merger().merge("", busy).decode())
     assert abs(got["pbkv_predictor_accuracy"] - (0.9 * 300 + 0.5 * 100) / 400) < 1e-12
-    got = parse(merge("", {"a": fresh, "b": fresh}).decode())          # nobody has samples: as one replica
+    got = parse(Merger().merge("", {"a": fresh, "b": fresh}).decode())          # nobody has samples: as one replica
     assert got["pbkv_predictor_accuracy"] == 0.0
 
 

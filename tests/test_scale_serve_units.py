@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pbkv.scale.failover import Action, decide, route_hints
-from pbkv.scale.metrics_merge import merge
+from pbkv.scale.metrics_merge import Merger
 from pbkv.serve.metrics import Metrics, parse
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -35,7 +35,7 @@ def test_merged_metrics_sum_counters_and_gauges_and_label_each_replica():
     ingress = Metrics()
     ingress.requests.labels(endpoint="/v1/completions", status="200").inc(3)
     ingress.prompt_tokens.inc(999)                 # the ingress's own engine families are dropped
-    text = merge(ingress.exposition().decode(), {"b": _replica_text(100, 40, 2, 0.5),
+    text = Merger().merge(ingress.exposition().decode(), {"b": _replica_text(100, 40, 2, 0.5),
                                                  "a": _replica_text(300, 60, 1, 0.7)}).decode()
     got = parse(text)
     assert got["pbkv_prompt_tokens_total"] == 400
@@ -66,7 +66,7 @@ def test_merged_histograms_add_bucket_by_bucket():
     b.latency.observe(0.3)
     a_text = a.exposition().decode().replace("pbkv_request_latency", "pbkv_engine_latency")
     b_text = b.exposition().decode().replace("pbkv_request_latency", "pbkv_engine_latency")
-    got = parse(merge("", {"a": a_text, "b": b_text}).decode())
+    got = parse(Merger().merge("", {"a": a_text, "b": b_text}).decode())
     assert got['pbkv_engine_latency_seconds_bucket{le="0.005"}'] == 1
     assert got['pbkv_engine_latency_seconds_bucket{le="0.5"}'] == 3
     assert got['pbkv_engine_latency_seconds_bucket{le="0.5",replica="b"}'] == 2
@@ -76,7 +76,7 @@ def test_merged_histograms_add_bucket_by_bucket():
 def test_no_replica_answering_leaves_the_ingress_families():
     ingress = Metrics()
     ingress.requests.labels(endpoint="/metrics", status="200").inc()
-    text = merge(ingress.exposition().decode(), {}).decode()
+    text = Merger().merge(ingress.exposition().decode(), {}).decode()
     names = {f.name for f in text_string_to_metric_families(text)}
     assert names == {"pbkv_requests", "pbkv_request_latency_seconds", "pbkv_time_to_first_token_seconds"}
     assert parse(text)['pbkv_requests_total{endpoint="/metrics",status="200"}'] == 1
@@ -146,7 +146,7 @@ def test_one_replica_serves_in_process_without_importing_ray():
         from typer.testing import CliRunner
         from pbkv.cli import app
         seen = {}
-        pbkv.serve.run = lambda cfg, log_level: seen.setdefault("cfg", cfg)
+        pbkv.serve.run = lambda cfg, log_level: seen.update(cfg=cfg)
         r = CliRunner().invoke(app, ["serve", "--port", "0", "--replicas", "1"])
         assert r.exit_code == 0, r.output
         assert seen["cfg"].model == "tiny"

@@ -100,11 +100,9 @@ def serve(
         if ray_address is not None or router is not None or measured_costs:
             console.print("[yellow]warning:[/yellow] --router, --ray-address and --measured-costs apply only with "
                           "--replicas > 1")
-        from pbkv.serve.learning import FAILED_SAVES
-        failed = len(FAILED_SAVES)
         with exit_on_error():
-            run(cfg, log_level=log_level)
-        if len(FAILED_SAVES) > failed:   # already logged as one error line at shutdown
+            state = run(cfg, log_level=log_level)
+        if state is not None and state.setup.save_error:   # already logged as one error line at shutdown
             raise typer.Exit(1)
         return
     from pbkv.scale.options import ReplicaOptions, check_local, check_options, local_machine

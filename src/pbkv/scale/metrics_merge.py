@@ -157,11 +157,6 @@ class Merger:
         return out
 
 
-def merge(own: str, replicas: Mapping[str, str], extra: Iterable[Metric] = ()) -> bytes:
-    """One scrape merged with no memory of earlier ones (`Merger.merge`): totals over `replicas`."""
-    return Merger().merge(own, replicas, extra)
-
-
 class _Families:
     """A fixed list of families, in the shape `generate_latest` reads."""
 

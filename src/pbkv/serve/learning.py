@@ -38,9 +38,6 @@ from pbkv.serve.workflows import DEFAULT_AGENT
 from pbkv.stale import remove_stale
 
 log = logging.getLogger("pbkv.serve")
-# shutdown saves that failed in this process, in order: `pbkv serve` exits 1 after one (a failed
-# save loses the session's learning, and a shutdown step cannot set the exit status itself)
-FAILED_SAVES: list[str] = []
 MIN_FINAL_TRAIN = 10   # ended workflows needed for the retrain at shutdown
 DEFAULT_NICE = 10      # the retrain process yields the CPU to the server (0: an equal share)
 TEMP_STALE = r"pbkv-learn-(?P<pid>\d+)-.*"   # a retrain's temporary folder, named with its server's PID
@@ -54,6 +51,7 @@ class PolicySetup:
     predictor_dir: Path | None
     loaded: bool
     history: list = field(default_factory=list)   # workflows saved with the loaded predictor
+    save_error: str | None = None   # why the shutdown save failed (`pbkv serve` then exits 1)
 
 
 class TrafficLearner(OnlineLearner):
@@ -249,7 +247,7 @@ def load_with_history(predictor_dir: Path):
 def finish_learning(setup: PolicySetup) -> Path | None:
     """At shutdown: wait for a retrain in progress, retrain on what is left (only when there is a
     --predictor to save it to), save. The path saved to, or None (nothing to save, or the save
-    failed: logged as one error line and added to `FAILED_SAVES`)."""
+    failed: logged as one error line and kept in `setup.save_error`)."""
     policy, learner = setup.policy, setup.learner
     if learner is not None:
         newest = learner.finish(final_train=setup.predictor_dir is not None)
@@ -270,7 +268,7 @@ def finish_learning(setup: PolicySetup) -> Path | None:
         return save_atomic(predictor, setup.predictor_dir, history)
     except (OSError, ValueError) as e:   # the folder changed since start-up (checked then): one line, no traceback
         log.error("cannot save the predictor to %s: %s", setup.predictor_dir, e)
-        FAILED_SAVES.append(str(e))
+        setup.save_error = str(e)
         return None
 
 

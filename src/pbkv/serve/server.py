@@ -139,11 +139,13 @@ def _engine(cfg: ServeConfig, lm, policy, caps: Capacities, eos_ids):
     return engine
 
 
-def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = None) -> None:
+def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = None) -> ServerState:
+    """Serve until stopped; the state after shutdown (`state.setup.save_error`: a failed save)."""
     import uvicorn
     log_to_stderr(log_level)
     state = state if state is not None else build_state(cfg)
     uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
+    return state
 
 
 def log_to_stderr(level: str) -> None:
