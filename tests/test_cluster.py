@@ -36,6 +36,24 @@ def test_one_instance_cluster_is_the_plain_simulator_exactly():
         assert (c["instances"], c["router"], c["bytes_moved_between_instances"]) == (1, router, 0.0)
 
 
+def timed(workload, gap: float):
+    """`workload` replayed open loop: workflow i arrives at i * gap seconds."""
+    for i, calls in enumerate(workload.workflows):
+        calls[0].t = i * gap
+    return workload
+
+
+@pytest.mark.parametrize("policy", ["lru", "kvflow", "scalesim"])
+def test_one_instance_behind_a_router_is_the_plain_open_loop_record(policy):
+    """Open loop, arrivals that land during prefill passes and decode runs: the cluster and the
+    plain engine stamp and order them alike (events fire in order of their own time)."""
+    run = cfg(policy, concurrency=None)
+    one = simulate(timed(load_workload(WL), 3.0), run)
+    c = simulate_cluster(timed(load_workload(WL), 3.0), run, 1, "sticky", get_link("pcie4"))
+    skip = ("policy_seconds", "policy_overhead")
+    assert {k: c[k] for k in one if k not in skip} == {k: v for k, v in one.items() if k not in skip}
+
+
 def test_one_pbkv_instance_reports_the_plain_records_monitor_readings():
     wl = load_workload(WL)
     run = cfg("pbkv")

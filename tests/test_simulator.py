@@ -91,6 +91,39 @@ def test_open_loop_starts_each_workflow_at_its_t_and_needs_every_t():
         Replay(engine, untimed.workflows, None, Recorder())
 
 
+def test_a_call_arriving_during_a_long_prefill_is_stamped_when_it_arrived():
+    """Open loop: B arrives at 0.5 s while A's 16,000-token prefill runs (several seconds): B's
+    TTFT and latency count from 0.5 s, so they include the wait for that pass."""
+    a = Call("a", 0, "x", 16_000, 1, list(range(1000)), t=0.0)
+    b = Call("b", 0, "x", 160, 1, list(range(2000, 2010)), t=0.5)
+    wl = Workload("t", Trace(TraceMeta(block_size=16), [a, b]))
+    engine, cost = simulator(wl)
+    rec = Replay(engine, wl.workflows, None, Recorder()).run()
+    first = cost.prefill_seconds(cost.prefill_flops(16_000, 0))
+    second = cost.prefill_seconds(cost.prefill_flops(160, 0))
+    assert first > 2
+    expected = sorted([first, first - 0.5 + second])
+    assert sorted(rec.ttft) == pytest.approx(expected) and sorted(rec.latency) == pytest.approx(expected)
+
+
+def test_a_call_issued_after_a_tool_wait_during_a_prefill_is_stamped_at_its_issue_time():
+    """Closed loop: workflow w's second call is issued 0.1 s after its first ends, while v's long
+    prefill runs; its TTFT counts from that issue, not from the end of v's pass."""
+    w0 = Call("w", 0, "x", 160, 1, list(range(10)))
+    w1 = Call("w", 1, "x", 176, 1, list(range(11)), tool_wait=0.1)
+    v0 = Call("v", 0, "y", 160, 1, list(range(3000, 3010)))
+    v1 = Call("v", 1, "y", 16_000, 1, list(range(3000, 4000)), tool_wait=0.05)
+    wl = Workload("t", Trace(TraceMeta(block_size=16), [w0, w1, v0, v1]))
+    engine, cost = simulator(wl)
+    rec = Replay(engine, wl.workflows, 2, Recorder()).run()
+    both = cost.prefill_seconds(cost.prefill_flops(160, 0) * 2)       # w0 and v0 in one pass
+    long = cost.prefill_seconds(cost.prefill_flops(16_000 - 160, 160))  # v1, issued at both + 0.05
+    w1_prefill = cost.prefill_seconds(cost.prefill_flops(16, 160))
+    issued = both + 0.1                                                  # during v1's pass
+    assert both + 0.05 + long > issued + 1
+    assert rec.ttft[-1] == pytest.approx(both + 0.05 + long + w1_prefill - issued)   # w1 ends last
+
+
 def test_closed_loop_runs_every_workflow_once_per_lane():
     wl = Workload("t", Trace(TraceMeta(), [Call(f"w{i}", 0, "a", 32, 2, [i * 2, i * 2 + 1]) for i in range(5)]))
     rec, _, _ = run(wl, concurrency=2)

@@ -55,30 +55,36 @@ class Replay:
     def run(self) -> Recorder:
         if self.concurrency is None:
             for i, calls in enumerate(self.workflows):
-                self.engine.at(calls[0].t or 0.0, lambda i=i: self._start(i))
+                t = calls[0].t or 0.0
+                self.engine.at(t, lambda i=i, t=t: self._start(i, t))
             self._queue.clear()
         else:
             for _ in range(min(self.concurrency, len(self.workflows))):
-                self._start(self._queue.popleft())
+                self._start(self._queue.popleft(), self.engine.now)
         self.engine.run()
         return self.recorder
 
-    def _start(self, i: int) -> None:
+    def _start(self, i: int, at: float) -> None:
+        """Start workflow `i`, which began at `at` (an open-loop arrival fires when the engine
+        next looks at its events, possibly after a long prefill pass: times count from `at`)."""
         calls = self.workflows[i]
-        self.recorder.workflow_started(i, calls[0].workflow_id, self.engine.now)
+        self.recorder.workflow_started(i, calls[0].workflow_id, at)
         self.engine.start_workflow(i, calls[0].workflow_id)
-        self._issue(i, 0)
+        self._issue(i, 0, at)
 
-    def _issue(self, i: int, step: int) -> None:
+    def _issue(self, i: int, step: int, after: float) -> None:
+        """Issue call `step` of workflow `i` its tool wait after `after`; the request is stamped
+        with that time, its arrival, however late the engine hears of it."""
         call = self.workflows[i][step]
-        req = Request(call=call, workflow=i, on_done=self._done)
-        self.engine.at(self.engine.now + (call.tool_wait or 0.0), lambda: self.engine.submit(req))
+        when = after + (call.tool_wait or 0.0)
+        req = Request(call=call, workflow=i, on_done=self._done, arrival=when)
+        self.engine.at(when, lambda: self.engine.submit(req))
 
     def _done(self, req: Request) -> None:
         self.recorder.call_finished(req)
         i, step = req.workflow, req.call.step
         if step + 1 < len(self.workflows[i]):
-            self._issue(i, step + 1)
+            self._issue(i, step + 1, req.finished)
             return
         self.engine.end_workflow(i)
         self.recorder.workflow_finished(i, self.engine.now)
@@ -86,4 +92,4 @@ class Replay:
         if self.progress:
             self.progress(self._finished)
         if self._queue:
-            self._start(self._queue.popleft())
+            self._start(self._queue.popleft(), req.finished)

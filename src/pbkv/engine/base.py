@@ -143,8 +143,9 @@ class EngineBase:
         self._timed(self.policy.on_workflow_end, workflow, nodes)
 
     def submit(self, req: Request) -> None:
-        """Queue `req` (FCFS) and tell the policy the call started."""
-        req.arrival = self.now
+        """Queue `req` (FCFS) and tell the policy the call started. Its arrival stays as the
+        driver stamped it (never later than now); unstamped, it arrives now."""
+        req.arrival = self.now if req.arrival is None else min(req.arrival, self.now)
         node, _ = self.tree.match(req.call.hash_ids)
         self._timed(self.policy.on_call_start, self._event(req, node))
         self._waiting.append(req)

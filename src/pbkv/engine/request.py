@@ -25,7 +25,10 @@ class Request:
     on_token: Callable[[Request, int], bool] | None = None   # True: stop after this token
     finish_reason: str | None = None   # set once, right before on_done ("length", "stop", ...)
     error: str | None = None           # with finish_reason "error": what failed ("Type: message")
-    arrival: float = 0.0
+    # when the call was issued: the driver stamps it (a call issued while the engine was busy,
+    # e.g. during a long prefill pass, arrived then, not when the engine next looked); None:
+    # the engine stamps the moment it hears of it (`EngineBase.submit`)
+    arrival: float | None = None
     # cache state
     node: Node | None = None        # deepest locked node of its prompt (the request's pin)
     move: Move | None = None        # pending load of its prefix from host/disk

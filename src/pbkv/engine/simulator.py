@@ -67,8 +67,6 @@ class Simulator(EngineBase):
     def clock(self) -> float:
         return self.now
 
-    def at(self, when: float, fn) -> None:
-        super().at(max(when, self.now), fn)   # never in the past: due events fire in scheduling order
 
     def run(self) -> None:
         """Serve until no request, event or load is left."""

@@ -141,7 +141,7 @@ class Cluster:
         return self._current.now if self._current is not None else self._t
 
     def at(self, when: float, fn) -> None:
-        self._events.push(max(when, self.now), fn)
+        self._events.push(when, fn)   # a time already past fires next, in order of time
 
     def start_workflow(self, workflow: int, workflow_id: str) -> None:
         self._wf_index[workflow_id] = workflow
@@ -155,6 +155,8 @@ class Cluster:
         self.router.on_workflow_end(self._wf_id.pop(workflow, ""))
 
     def submit(self, req: Request) -> None:
+        if req.arrival is None:   # a KV transfer's wait before the call reaches its engine counts
+            req.arrival = self.now
         call = req.call
         request = RouteRequest(workflow_id=self._wf_id.get(req.workflow, call.workflow_id), agent=call.agent,
                                hash_ids=tuple(call.hash_ids), input_tokens=call.input_length,
@@ -231,8 +233,7 @@ class Cluster:
             self.stats.fetches += 1
             self.stats.fetched_tokens += tokens
             self.stats.bytes_moved += nbytes
-        arrival = self.now
-        self.at(done, lambda: self._arrived(k, blocks, req, arrival, shared))
+        self.at(done, lambda: self._arrived(k, blocks, req, shared))
 
     def _peer_blocks(self, call, decision, local: int) -> int:
         """Leading blocks the target holds once the router's peer fetch lands: `local` plus the
@@ -269,7 +270,7 @@ class Cluster:
             done(r)
         req.on_done = on_done
 
-    def _arrived(self, k: int, blocks: list[int], req: Request, arrival: float, shared: bool = False) -> None:
+    def _arrived(self, k: int, blocks: list[int], req: Request, shared: bool = False) -> None:
         engine = self.instances[k]
         engine.now = max(engine.now, self._t)
         node, have = engine.tree.match(blocks)
@@ -287,8 +288,7 @@ class Cluster:
             engine.tree.unlock(node)
         elif missing > 0:
             self._failed(shared)
-        engine.submit(req)
-        req.arrival = arrival   # the call waited for its KV: that wait is part of its latency
+        engine.submit(req)   # keeps the arrival stamped in `submit`: the KV's wait is latency
 
     def _failed(self, shared: bool) -> None:
         if shared:
