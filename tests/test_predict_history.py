@@ -78,3 +78,25 @@ def test_without_online_learning_the_saved_workflows_are_kept(predictor, tmp_pat
     assert setup.learner is None
     finish_learning(setup)
     assert read_history(tmp_path / "p") == FLOWS and load_predictor(tmp_path / "p").agents == predictor.agents
+
+
+def test_two_servers_on_one_folder_keep_each_others_workflows(predictor, tmp_path):
+    """Both start from the same version; A stops first. B's save keeps A's workflow (the
+    predictor saved is B's): neither session's traffic is lost to the next server."""
+    save_predictor(predictor, tmp_path / "p", history=FLOWS)
+    a = build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=True)
+    b = build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=True)
+    a.learner.add(["plan"], ["from a"])
+    b.learner.add(["review"], ["from b"])
+    finish_learning(a)
+    finish_learning(b)
+    assert read_history(tmp_path / "p") == [[("plan", "from a")], *FLOWS, [("review", "from b")]]
+
+
+def test_merging_keeps_the_newest_window_and_counts_repeats(predictor, tmp_path):
+    from pbkv.predict.history import merge_with_live
+    one, two = [("plan", None)], [("code", "x" * (MAX_CONTEXT_CHARS + 9))]
+    save_predictor(predictor, tmp_path / "p", history=[one, one, two])
+    assert merge_with_live(tmp_path / "p", [one, two], 10) == [one, one, two]   # one saved twice, held once
+    assert merge_with_live(tmp_path / "p", [two, one], 2) == [two, one]           # the window keeps ours first
+    assert merge_with_live(tmp_path / "empty", [one], 5) == [one]                 # nothing saved yet

@@ -11,13 +11,19 @@ Invariants:
   always belongs to the predictor loaded beside it;
 - a context is kept to its first `MAX_CONTEXT_CHARS` characters: the featurizer reads no more
   (`FeatureConfig.max_chars`, the default a server's retrains use), so the cut loses nothing the
-  predictor can learn from.
+  predictor can learn from;
+- several servers on one folder lose no workflows to each other: a save keeps, before its own
+  window, the workflows of the live version its window lacks (another server's, saved since this
+  one started: `merge_with_live`), newest `window` in all. The predictor saved is this server's;
+  the next server trains on everyone's traffic.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections import Counter
 from pathlib import Path
 
 from pbkv.files import read_text
@@ -30,12 +36,38 @@ FORMAT = "pbkv-workflows"
 MAX_CONTEXT_CHARS = FeatureConfig.max_chars
 
 Workflow = list[tuple[str, "str | None"]]   # (agent, context) per call, in call order
+log = logging.getLogger("pbkv.predict")
 
 
 def write_history(folder: Path, workflows: list[Workflow]) -> None:
     """Write `workflows` into a version folder being saved (`store.publish`'s `write`)."""
     rows = [[[agent, None if ctx is None else ctx[:MAX_CONTEXT_CHARS]] for agent, ctx in wf] for wf in workflows]
     (folder / FILE).write_text(json.dumps({"format": FORMAT, "workflows": rows}) + "\n", encoding="utf-8")
+
+
+def merge_with_live(path: str | Path, ours: list[Workflow], window: int) -> list[Workflow]:
+    """`ours` (oldest first) preceded by the live version's workflows that `ours` does not hold
+    (counted as a multiset, contexts cut as saved), the newest `window` kept. Called under the
+    save lock (`store.publish`), so no other save lands between this read and the write. An
+    unreadable live history is logged and left out: it cannot be carried over anyway."""
+    try:
+        live = read_history(path)
+    except (OSError, ValueError) as e:
+        log.warning("the workflows saved in %s are not carried over: %s", path, e)
+        live = []
+    left = Counter(map(_key, ours))
+    extra = []
+    for wf in live:
+        key = _key(wf)
+        if left[key]:
+            left[key] -= 1
+        else:
+            extra.append(wf)
+    return (extra + ours)[-window:] if window > 0 else []
+
+
+def _key(wf: Workflow) -> tuple:
+    return tuple((agent, None if ctx is None else ctx[:MAX_CONTEXT_CHARS]) for agent, ctx in wf)
 
 
 def read_history(path: str | Path) -> list[Workflow]:

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from pbkv.predict import store
-from pbkv.predict.history import write_history
+from pbkv.predict.history import merge_with_live, write_history
 from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
 from pbkv.predict.features import WORD, Featurizer
 from pbkv.predict.markov import MarkovPredictor, check_agents
@@ -105,14 +105,17 @@ class NeuralPredictor:
         return self.predict_batch([(list(history), context)], None if hidden is None else [hidden])[0]
 
 
-def save_predictor(p: NeuralPredictor, path: str | Path, history: list | None = None) -> Path:
+def save_predictor(p: NeuralPredictor, path: str | Path, history: list | None = None,
+                   window: int | None = None) -> Path:
     """Write `p` as a new version of the directory `path` (created if needed) and make it live
     atomically: a reader, or a writer killed at any point, sees the old predictor or the new one,
-    each complete. `history`: the workflows to keep with it (`pbkv.predict.history`). Returns `path`."""
+    each complete. `history`: the workflows to keep with it (`pbkv.predict.history`); with
+    `window`, also the live version's workflows it lacks, `window` at most in all. Returns `path`."""
     def write(folder: Path) -> None:
         _write_files(p, folder)
         if history is not None:
-            write_history(folder, history)
+            rows = history if window is None else merge_with_live(path, history, window)
+            write_history(folder, rows)
     return store.publish(path, write)
 
 

@@ -264,16 +264,18 @@ def finish_learning(setup: PolicySetup) -> Path | None:
                         MIN_FINAL_TRAIN, len(learner.window))
         return None
     history = learner.workflows() if learner is not None else setup.history
+    window = learner.window.maxlen if learner is not None else None   # keep other servers' workflows
     try:
-        return save_atomic(predictor, setup.predictor_dir, history)
+        return save_atomic(predictor, setup.predictor_dir, history, window)
     except (OSError, ValueError) as e:   # the folder changed since start-up (checked then): one line, no traceback
         log.error("cannot save the predictor to %s: %s", setup.predictor_dir, e)
         setup.save_error = str(e)
         return None
 
 
-def save_atomic(predictor, folder: Path, history: list | None = None) -> Path:
+def save_atomic(predictor, folder: Path, history: list | None = None, window: int | None = None) -> Path:
     """Save as a new version of `folder`, made live in one atomic step (`pbkv.predict.store`):
-    a reader, or a server killed mid-save, sees the old predictor or the new one, each whole."""
+    a reader, or a server killed mid-save, sees the old predictor or the new one, each whole.
+    `window`: see `save_predictor`."""
     from pbkv.predict.predictor import save_predictor
-    return save_predictor(predictor, folder, history)
+    return save_predictor(predictor, folder, history, window)
