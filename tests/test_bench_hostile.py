@@ -23,3 +23,17 @@ def test_open_loop_makespan_runs_from_the_first_arrival():
     late = simulate(timed(1000.0), RunConfig("lru", None, PROFILE, cache=CacheConfig(device_tokens=1000)))
     assert 1.0 < early["makespan_s"] < 100.0
     assert late["makespan_s"] == pytest.approx(early["makespan_s"])
+
+
+def test_verdict_names_given_capacities_not_profile_tiers():
+    from pbkv.bench.verdict import verdicts
+
+    def rec(policy, speedup):   # --device-tokens 40000 --host-tokens 40000 --disk-tokens 200000: no tier set
+        r = {"workload": "hover", "policy": policy, "concurrency": 16, "tiers": None, "pressure": None,
+             "device_tokens": 40000, "host_tokens": 40000, "disk_tokens": 200000}
+        return r if policy == "lru" else {**r, "speedup_vs_lru": speedup}
+    line, = verdicts([rec("lru", 1.0), rec("pbkv", 1.1), rec("oracle", 1.2)])
+    assert "profile tiers" not in line
+    assert line.endswith("[device 40,000 + host 40,000 + disk 200,000 tokens, conc 16]")
+    device_only = [{**r, "host_tokens": 0, "disk_tokens": 0} for r in (rec("lru", 1.0), rec("pbkv", 1.1))]
+    assert verdicts(device_only)[0].endswith("[device 40,000 tokens, conc 16]")

@@ -80,10 +80,23 @@ def _segment(c: dict, subject: str) -> str:
             text += f", {100 * share:.0f}% of the oracle's gain ({oracle:.2f}x)"
         else:
             text += f", the oracle gains nothing here ({oracle:.2f}x)"
-    where = [r.get("tiers") or "profile tiers"]
+    where = [_tiers_words(r)]
     if r.get("pressure"):
         where.append(f"pressure {r['pressure']:g}")
     where.append(f"conc {r['concurrency'] or 'open'}")
     if r.get("router") is not None:
         where.append(f"router {r['router']}, {r.get('instances')} instances")
     return f"{text} [{', '.join(where)}]"
+
+
+def _tiers_words(r: dict) -> str:
+    """The tiers a record ran with: the tier set it was given (--tiers), else its capacities
+    (given by --device/--host/--disk-tokens or taken from the profile: the record cannot tell,
+    so the sizes are named rather than "profile tiers", which a user who gave them would misread)."""
+    if r.get("tiers"):
+        return r["tiers"]
+    if r.get("device_tokens") is None:   # a record without capacities (not one the sweep writes)
+        return "tiers unknown"
+    sizes = [f"{name} {r[f'{name}_tokens']:,}" for name in ("device", "host", "disk")
+             if name == "device" or r.get(f"{name}_tokens")]
+    return " + ".join(sizes) + " tokens"
