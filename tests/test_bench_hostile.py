@@ -37,3 +37,43 @@ def test_verdict_names_given_capacities_not_profile_tiers():
     assert line.endswith("[device 40,000 + host 40,000 + disk 200,000 tokens, conc 16]")
     device_only = [{**r, "host_tokens": 0, "disk_tokens": 0} for r in (rec("lru", 1.0), rec("pbkv", 1.1))]
     assert verdicts(device_only)[0].endswith("[device 40,000 tokens, conc 16]")
+
+
+def plotted_lines(monkeypatch, tmp_path, records) -> dict[str, list[tuple]]:
+    """{plot file name: [(label, xs) of every line of its axes]} as `write_plots` draws them."""
+    from pbkv.bench import report
+    drawn = {}
+
+    def save(plt, fig, axes, path):
+        drawn[path.name] = [(line.get_label(), list(line.get_xdata())) for ax in axes for line in ax.get_lines()]
+        plt.close(fig)
+        return path
+    monkeypatch.setattr(report, "_save", save)
+    report.write_plots(records, tmp_path)
+    return drawn
+
+
+def cluster_records() -> list[dict]:
+    """lru and pbkv behind the pbkv router on 2 and 4 instances, at two concurrencies and two
+    device sizes (the order `--instances 2,4` writes them: instances inside concurrency)."""
+    out = []
+    for device in (1000, 2000):
+        for conc in (16, 32):
+            for n in (2, 4):
+                for policy in ("lru", "pbkv"):
+                    out.append({"workload": "w", "policy": policy, "concurrency": conc, "tiers": "device",
+                                "pressure": None, "device_tokens": device, "host_tokens": 0, "disk_tokens": 0,
+                                "router": "pbkv", "instances": n, "device_hit_rate": 0.1 * n,
+                                **({"speedup_vs_lru": 1.0 + n / 100} if policy != "lru" else {})})
+    return out
+
+
+def test_plot_lines_never_join_runs_of_different_instance_counts(monkeypatch, tmp_path):
+    drawn = plotted_lines(monkeypatch, tmp_path, cluster_records())
+    assert set(drawn) == {"w.png", "w-regimes.png"}
+    for name, lines in drawn.items():
+        for label, xs in lines:
+            # one point per x: a line through both instance counts visits each x twice
+            assert xs == sorted(set(xs)), (name, label, xs)
+        labels = {label for label, _ in lines}
+        assert labels == {"lru / pbkv x2", "pbkv / pbkv x2", "lru / pbkv x4", "pbkv / pbkv x4"}, name

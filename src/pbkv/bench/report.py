@@ -169,16 +169,33 @@ def write_json(data, path: Path) -> Path:
     return path
 
 
-def _label(r: dict) -> str:
-    """A plot line: the policy, and the router when several instances ran."""
-    return f"{r['policy']} / {r['router']}" if "router" in r else r["policy"]
+def _line_of(r: dict) -> tuple:
+    """What a plot line holds fixed: policy, router and instance count. Records differing in any
+    of them are unlike runs (an 8-instance run is no point on a 2-instance curve), so they never
+    share a line; the x axis is the one thing that varies along it."""
+    return r["policy"], r.get("router"), r.get("instances")
+
+
+def _lines(rows: list[dict], x: str) -> dict[str, list[dict]]:
+    """`rows` split into plot lines (`_line_of`), each sorted by `x`, keyed by its legend label:
+    the policy, the router when one ran, and the instance count when several counts are plotted."""
+    counts = {r.get("instances") for r in rows}
+    out: dict[str, list[dict]] = {}
+    for key in dict.fromkeys(map(_line_of, rows)):
+        policy, router, instances = key
+        label = policy if router is None else f"{policy} / {router}"
+        if len(counts) > 1:
+            label += f" x{instances}"
+        out[label] = sorted((r for r in rows if _line_of(r) == key), key=lambda r: r[x])
+    return out
 
 
 def write_plots(records: list[dict], out: Path) -> list[Path]:
     """Per workload: speedup over LRU and device hit rate against concurrency, one line per
-    policy (the first memory regime's runs); with several device capacities also
-    `WORKLOAD-regimes.png`: speedup and the miss-ratio curve (device hit rate against device
-    capacity), one column per tier set, one line per policy, at the highest concurrency."""
+    policy, router and instance count (`_lines`; the first memory regime's runs); with several
+    device capacities also `WORKLOAD-regimes.png`: speedup and the miss-ratio curve (device hit
+    rate against device capacity), one column per tier set, one line per policy, router and
+    instance count, at the highest concurrency."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -198,8 +215,7 @@ def write_plots(records: list[dict], out: Path) -> list[Path]:
 
 def _concurrency_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for label in dict.fromkeys(_label(r) for r in rows):
-        pts = [r for r in rows if _label(r) == label]
+    for label, pts in _lines(rows, "concurrency").items():
         xs = [r["concurrency"] for r in pts]
         ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
         ax2.plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=label)
@@ -216,11 +232,10 @@ def _regimes_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
     fig, axes = plt.subplots(2, len(tier_sets), figsize=(5 * len(tier_sets), 8), squeeze=False)
     for col, tiers in enumerate(tier_sets):
         mine = sorted((r for r in rows if r.get("tiers") == tiers), key=lambda r: r["device_tokens"])
-        for policy in dict.fromkeys(r["policy"] for r in mine):
-            pts = [r for r in mine if r["policy"] == policy]
+        for label, pts in _lines(mine, "device_tokens").items():
             xs = [r["device_tokens"] for r in pts]
-            axes[0][col].plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=policy)
-            axes[1][col].plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=policy)
+            axes[0][col].plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
+            axes[1][col].plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=label)
         name = tiers or "profile tiers"
         axes[0][col].set(title=f"{workload}, {name}: speedup over LRU (conc {top})", xlabel="device KV tokens",
                          ylabel="LRU mean workflow latency / policy's")
