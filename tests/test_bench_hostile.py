@@ -1,14 +1,68 @@
 """`pbkv bench` regressions found by hostile testing: tiers and capacities given explicitly,
 makespan of open-loop traces, the verdict's regime label, and plot lines."""
 
-import pytest
+from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
+from pbkv.bench.regimes import DISK_RATIO, HOST_RATIO
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.cache import CacheConfig
 from pbkv.engine.profiles import load_profile
 from pbkv.trace import Call, Trace, TraceMeta
 
 PROFILE = load_profile("a6000-qwen3-32b")
+MINI = Path(__file__).resolve().parent / "data" / "bfcl-mini.jsonl"
+
+
+def bench(*args, tmp_path):
+    """`pbkv bench` on the bfcl-mini fixture, LRU (and the oracle) only."""
+    from pbkv.cli import app
+    argv = ["bench", "--trace", MINI, "--policies", "lru", "--concurrency", 4, "--jobs", 1, "--out", tmp_path, *args]
+    return CliRunner().invoke(app, [str(a) for a in argv])
+
+
+def sweep_regimes(**kw):
+    from pbkv.bench.sweep import Source, SweepConfig, sweep_jobs
+    cfg = SweepConfig(sources=[Source("mini", trace=str(MINI))], policies=["lru"], concurrency=[4], **kw)
+    return list(dict.fromkeys(job[4] for job in sweep_jobs(cfg)))
+
+
+def test_profile_pressure_with_tier_sets_runs_exactly_those_tiers_at_the_documented_ratios():
+    # --pressure profile --tiers device,device+host+disk: the profile's device; host 2x, disk 8x
+    # it (the profile's own disk is 0 and its host_ratio is for runs without a tier set)
+    device = PROFILE.device_tokens
+    got = sweep_regimes(pressures=None, tiers=["device", "device+host+disk"])
+    assert [(r.tiers, r.device_tokens, r.host_tokens, r.disk_tokens) for r in got] == [
+        ("device", device, 0, 0), ("device+host+disk", device, HOST_RATIO * device, DISK_RATIO * device)]
+    # explicit sizes win over the ratios
+    got = sweep_regimes(pressures=None, tiers=["device+host+disk"], cache=CacheConfig(host_tokens=777, disk_tokens=999))
+    assert [(r.device_tokens, r.host_tokens, r.disk_tokens) for r in got] == [(device, 777, 999)]
+    # no tier set: the profile's tiers, as before
+    assert [(r.tiers, r.device_tokens, r.host_tokens, r.disk_tokens) for r in sweep_regimes(pressures=None)] == [
+        (None, None, None, None)]
+
+
+def test_the_cli_runs_a_disk_tier_when_asked(tmp_path):
+    import json
+    r = bench("--pressure", "profile", "--tiers", "device+host+disk", tmp_path=tmp_path)
+    assert r.exit_code == 0, r.output
+    rec = json.loads((tmp_path / "bench.json").read_text())[0]
+    assert rec["tiers"] == "device+host+disk" and rec["disk_tokens"] == DISK_RATIO * rec["device_tokens"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--tiers", "device+host", "--host-tokens", 0), "--tiers device+host has a host tier but --host-tokens is 0"),
+    (("--tiers", "device,device+host+disk", "--disk-tokens", 0),
+     "--tiers device+host+disk has a disk tier but --disk-tokens is 0"),
+    (("--tiers", "device", "--host-tokens", 500), "--host-tokens 500: none of --tiers device has a host tier"),
+    (("--tiers", "device,device+host", "--disk-tokens", 500),
+     "--disk-tokens 500: none of --tiers device,device+host has a disk tier")])
+def test_sizes_that_contradict_the_tier_sets_are_refused(tmp_path, args, message):
+    r = bench("--pressure", "profile", *args, tmp_path=tmp_path)
+    assert r.exit_code != 0 and message in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "bench.json").exists()
 
 
 def timed(offset: float) -> Workload:

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pbkv.bench import predictors as predictors_mod
 from pbkv.bench.report import print_tables, write_json, write_plots
+from pbkv.bench.regimes import check_tiers
 from pbkv.bench.runner import check_fits
 from pbkv.bench.verdict import verdicts
 from pbkv.bench.sweep import SweepConfig, check_names, load_workload, run_sweep, sweep_jobs
@@ -44,6 +45,7 @@ def check(args: BenchArgs) -> list[str]:
         return ["vllm"] + [p for p in pols if not needs_future(p)]
     for p in args.policies:
         policy_class(p)
+    check_tiers(args.tiers, args.cache.host_tokens, args.cache.disk_tokens)
     load_profile(args.profile)
     check_routers(args)
     pols = list(args.policies)

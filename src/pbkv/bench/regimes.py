@@ -7,6 +7,11 @@
   of `HOST_RATIO` x the device, itself under pressure: SGLang HiCache-like), "device+host+disk"
   (plus a disk tier of `DISK_RATIO` x the device). Explicit host/disk capacities win for the
   tiers a regime has.
+An explicit tier set runs exactly those tiers, whatever sizes the profile has: with
+`--pressure profile` the ratios apply to the profile's device (a profile's own host_ratio and
+disk_tokens are its default tiers, used only when no tier set is given). Sizes that contradict
+the tier sets (`--host-tokens 0` with a host tier, or `--disk-tokens N` with no tier set that
+has a disk) are refused (`check_tiers`) rather than silently dropped.
 A regime's device capacity never drops below the largest single call (prompt + output), or
 that call could never run; such a regime is clamped up (its record shows the real capacity).
 """
@@ -63,6 +68,22 @@ def parse_tiers(value: str) -> list[str]:
     return names
 
 
+def check_tiers(tiers: list[str], host_tokens: int | None, disk_tokens: int | None) -> None:
+    """Raise ValueError when explicit --tiers and --host/--disk-tokens contradict each other: a
+    tier set must run with exactly its tiers, so a tier it has cannot be sized 0 and a size given
+    for a tier that none of them has would be silently ignored. No tier sets: nothing to check."""
+    if not tiers:
+        return
+    for name, given in (("host", host_tokens), ("disk", disk_tokens)):
+        having = [t for t in tiers if name in t]
+        if given == 0 and having:
+            raise ValueError(f"--tiers {having[0]} has a {name} tier but --{name}-tokens is 0; give "
+                             f"--{name}-tokens > 0, leave it out (the ratio of the device), or drop that tier set")
+        if given and not having:
+            raise ValueError(f"--{name}-tokens {given}: none of --tiers {','.join(tiers)} has a {name} tier; "
+                             f"add a tier set with one (e.g. device+host+disk) or leave --{name}-tokens out")
+
+
 def parse_pressures(value: str) -> list[float]:
     out = []
     for v in value.split(","):
@@ -100,9 +121,11 @@ def regimes(workload, pressures: list[float], tiers: list[str], device_tokens: i
 
 
 def _with_tiers(pressure, tiers, device, host, disk) -> Regime:
+    """A regime of tier set `tiers` (None: the profile's or given capacities as they are):
+    exactly its tiers, given sizes first, else `HOST_RATIO` / `DISK_RATIO` x `device`."""
     if tiers is None:
         return Regime(pressure, None, device, host, disk)
-    if device is None:  # ratios need a device size: the caller resolves the profile's
+    if device is None:  # ratios need a device size: left to the engine's defaults (the real engine's)
         return Regime(pressure, tiers, None, host if "host" in tiers else 0, disk if "disk" in tiers else 0)
     h = (host if host is not None else HOST_RATIO * device) if "host" in tiers else 0
     d = (disk if disk is not None else DISK_RATIO * device) if "disk" in tiers else 0

@@ -155,9 +155,19 @@ def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> 
     workload = load_workload(source)
     if cfg.pressures == "auto" and cfg.cache.device_tokens is None:
         return regimes_mod.auto_regimes(workload, concurrency, cfg.tiers, cfg.cache.host_tokens, cfg.cache.disk_tokens)
-    pressures = [] if cfg.pressures == "auto" else cfg.pressures
-    return regimes_mod.regimes(workload, pressures or [], cfg.tiers, cfg.cache.device_tokens, cfg.cache.host_tokens,
+    pressures = ([] if cfg.pressures == "auto" else cfg.pressures) or []
+    return regimes_mod.regimes(workload, pressures, cfg.tiers, tier_device(cfg, pressures), cfg.cache.host_tokens,
                                cfg.cache.disk_tokens)
+
+
+def tier_device(cfg: SweepConfig, pressures: list[float]) -> int | None:
+    """The device size a regime's tier ratios apply to: the given one, else (simulator, tier sets
+    given, no pressures: `--pressure profile`) the profile's device, so --tiers device+host+disk
+    gets its 2x host and 8x disk rather than the profile's own tiers (whose disk is often 0)."""
+    device = cfg.cache.device_tokens
+    if device is None and cfg.tiers and not pressures and cfg.engine == "sim":
+        return load_profile(cfg.profile).device_tokens
+    return device
 
 
 def sweep_jobs(cfg: SweepConfig) -> list[tuple]:

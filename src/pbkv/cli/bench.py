@@ -21,10 +21,13 @@ EngineOpt = Annotated[str, typer.Option(
 PressureOpt = Annotated[str, typer.Option(
     help="Device capacity as a fraction of the replay's distinct prompt tokens, comma-separated (e.g. "
          "0.02,0.05,0.1); 'auto': chosen from each workload's working set (the default run's regimes); "
-         "'profile': the profile's device. --device-tokens wins.")]
+         "'profile': the profile's device (and, with --tiers auto, the profile's host and disk). "
+         "--device-tokens wins.")]
 TiersOpt = Annotated[str, typer.Option(
     help="Tier sets to run, comma-separated: device (vLLM-like), device+host (host 2x device, HiCache-like), "
-         "device+host+disk; 'auto': the default run's pairs with --pressure auto, else the profile's tiers.")]
+         "device+host+disk (plus disk 8x device); each runs exactly its tiers, whatever the profile's (--host-tokens "
+         "/ --disk-tokens win over the ratios; a size for a tier no set has, or 0 for one it has, is an error); "
+         "'auto': the default run's pairs with --pressure auto, else the profile's tiers.")]
 VLLMPythonOpt = Annotated[Optional[Path], typer.Option(
     help="--engine vllm: python of the venv with vLLM (default: .venv-vllm/bin/python; see docs/vllm.md).")]
 InstancesOpt = Annotated[str, typer.Option(
