@@ -131,3 +131,12 @@ def test_plot_lines_never_join_runs_of_different_instance_counts(monkeypatch, tm
             assert xs == sorted(set(xs)), (name, label, xs)
         labels = {label for label, _ in lines}
         assert labels == {"lru / pbkv x2", "pbkv / pbkv x2", "lru / pbkv x4", "pbkv / pbkv x4"}, name
+
+
+def test_bench_refuses_a_disk_tier_below_no_host_tier(tmp_path):
+    # before: the run went ahead and its disk (5000 tokens in the record) was never written to
+    r = bench("--pressure", "profile", "--device-tokens", 240, "--host-tokens", 0, "--disk-tokens", 5000,
+              tmp_path=tmp_path)
+    assert r.exit_code != 0, r.output
+    assert "--disk-tokens 5000 with --host-tokens 0" in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "bench.json").exists()

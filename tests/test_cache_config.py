@@ -16,7 +16,8 @@ def test_given_values_win_and_unset_ones_come_from_the_defaults():
     ratio = CapacityDefaults(1000, host_ratio=2.5, disk_ratio=4)
     assert CacheConfig().resolve(ratio) == Capacities(1000, 2500, 4000)
     assert CacheConfig(device_tokens=64).resolve(ratio) == Capacities(64, 160, 256)      # ratios of the given device
-    assert CacheConfig(64, 0, 7).resolve(ratio) == Capacities(64, 0, 7)                  # 0 disables a tier
+    assert CacheConfig(64, 7, 0).resolve(ratio) == Capacities(64, 7, 0)                  # 0 disables a tier
+    assert CacheConfig(64, 0, 0).resolve(ratio) == Capacities(64, 0, 0)
     fixed = CapacityDefaults(1000, host=512, disk=16384)
     assert CacheConfig(device_tokens=64).resolve(fixed) == Capacities(64, 512, 16384)
     with pytest.raises(ValueError, match="capacities must be >= 0"):
@@ -42,3 +43,17 @@ def test_serve_defaults():
     from pbkv.serve import ServeConfig
     assert ServeConfig().capacities() == Capacities(16384, 32768, 65536)
     assert ServeConfig(cache=CacheConfig(device_tokens=100, disk_tokens=0)).capacities() == Capacities(100, 200, 0)
+
+
+def test_a_disk_below_no_host_tier_is_refused_or_dropped():
+    # evictions go device -> host -> disk: with host 0 nothing ever reaches the disk
+    ratio = CapacityDefaults(1000, host_ratio=2.5, disk_ratio=4)
+    with pytest.raises(ValueError, match=r"--disk-tokens 7 with --host-tokens 0: .* give --host-tokens > 0, "
+                                         r"or --disk-tokens 0"):
+        CacheConfig(64, 0, 7).resolve(ratio)
+    with pytest.raises(ValueError, match="--disk-tokens 7 with --host-tokens 0"):
+        CacheConfig(64, 0, 7).check()     # the same error before any work
+    with pytest.raises(ValueError, match="--disk-tokens 7 with a host tier of 0 tokens"):
+        CacheConfig(64, None, 7).resolve(CapacityDefaults(1000, host_ratio=0))
+    # a default disk below host 0 (the real engine's 8 x device) is no tier at all: 0
+    assert CacheConfig(64, 0).resolve(ratio) == Capacities(64, 0, 0)

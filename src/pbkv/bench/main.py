@@ -33,6 +33,7 @@ class BenchArgs(SweepConfig):
 def check(args: BenchArgs) -> list[str]:
     """Validate names before any work; return the policy list with LRU and the oracle in it
     (on vLLM: with "vllm", vLLM alone, first; the oracle cannot run there)."""
+    args.cache.check()   # an unreachable disk: refused before training, not in every worker
     if args.samples < 1:
         raise ValueError(f"--samples must be >= 1, got {args.samples}")
     if args.samples > 1 and args.engine != "sim":

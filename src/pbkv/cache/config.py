@@ -6,7 +6,10 @@ them, used by every engine:
 
 - device = the given tokens, else `defaults.device`;
 - host, disk = the given tokens, else `*_ratio` x the resolved device when the engine sets a
-  ratio, else the engine's fixed `host` / `disk` tokens.
+  ratio, else the engine's fixed `host` / `disk` tokens;
+- a disk needs a host tier above it: blocks evicted from the device go one tier down
+  (`pbkv.cache.tiered`), so with no host tier nothing ever reaches the disk. A given disk size
+  with host 0 is an error (`DiskWithoutHost`); a default disk below host 0 becomes 0.
 
 The engines' defaults (see each call site): the simulator takes the profile (device from GPU
 memory, host = profile host_ratio x device, disk = the profile's); the real engine 8 x the
@@ -48,10 +51,34 @@ class CacheConfig:
     shared_bytes: int | None = None
 
     def resolve(self, defaults: CapacityDefaults) -> Capacities:
-        """The tier sizes: what was given, the rest from `defaults` (0 device tokens: the default)."""
+        """The tier sizes: what was given, the rest from `defaults` (0 device tokens: the default).
+        Never a disk below an empty host tier (see the module docstring)."""
+        self.check()
         device = self.device_tokens or defaults.device
-        return Capacities(device, _tier(self.host_tokens, defaults.host_ratio, defaults.host, device),
-                          _tier(self.disk_tokens, defaults.disk_ratio, defaults.disk, device))
+        host = _tier(self.host_tokens, defaults.host_ratio, defaults.host, device)
+        disk = _tier(self.disk_tokens, defaults.disk_ratio, defaults.disk, device)
+        if host == 0 and disk > 0:
+            if self.disk_tokens is not None:   # the default host was 0 (e.g. a profile's host_ratio)
+                raise DiskWithoutHost(disk, given_host=False)
+            disk = 0   # a default disk could never be reached without a host tier: say so in the record
+        return Capacities(device, host, disk)
+
+    def check(self) -> None:
+        """Raise `DiskWithoutHost` for --host-tokens 0 with --disk-tokens > 0 (callers check
+        before any work; `resolve` checks again)."""
+        if self.host_tokens == 0 and self.disk_tokens:
+            raise DiskWithoutHost(self.disk_tokens, given_host=True)
+
+
+class DiskWithoutHost(ValueError):
+    """A disk tier asked for below no host tier: it would never be used (evictions go device ->
+    host -> disk, one tier at a time), so it is refused rather than silently left empty."""
+
+    def __init__(self, disk: int, given_host: bool):
+        host = "--host-tokens 0" if given_host else "a host tier of 0 tokens (the engine's default)"
+        super().__init__(f"--disk-tokens {disk} with {host}: blocks evicted from the device reach the disk "
+                         f"only through the host tier, so the disk would never be used; give --host-tokens > 0, "
+                         f"or --disk-tokens 0 (or leave it out)")
 
 
 def _tier(given: int | None, ratio: float | None, fixed: int, device: int) -> int:

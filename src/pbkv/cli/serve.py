@@ -88,6 +88,8 @@ def serve(
     cache = CacheConfig(device_tokens, host_tokens, disk_tokens,
                         disk_dir=str(disk_dir.resolve()) if disk_dir else None,
                         shared_dir=str(shared_dir.resolve()) if shared_dir else None, shared_bytes=shared_bytes)
+    with exit_on_error():
+        cache.check()   # a disk below --host-tokens 0 is never used: refused before the model loads
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
                       cache=cache, record=str(record) if record else None, record_rotate=record_rotate,
                       record_context=record_context, predictor_dir=str(predictor) if predictor else None,
