@@ -250,3 +250,14 @@ def test_bench_refuses_a_train_file_it_would_not_use(tmp_path):
                "--out", tmp_path / "o")
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and "--train: nothing would be trained on it; --predictor gives the fused" in said, r.output
+
+
+def test_bench_train_never_deletes_a_folder_that_holds_no_predictor(tmp_path):
+    trace = DATA / "chatdev-mini.jsonl"
+    mine = tmp_path / "o" / "models" / "train-fused"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep me")
+    r = invoke("bench", "--trace", trace, "--train", trace, "--policies", "pbkv", "--out", tmp_path / "o")
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--train saves its predictor to" in said and "holds other files (notes.txt)" in said, r.output
+    assert (mine / "notes.txt").read_text() == "keep me"

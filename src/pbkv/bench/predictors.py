@@ -65,6 +65,7 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
                 continue
             if psrc.train:
                 folder, data = out / f"train-{variant}", tuple(psrc.train)
+                _check_replaceable(folder)
             elif source.spec:
                 folder, data = cache_folder(source, variant, psrc), source
                 if has_predictor(folder):  # trained before, same code and data
@@ -120,6 +121,16 @@ def cache_folder(source, variant: str, psrc: PredictorSource) -> Path:
     name = (f"{source.name}-{spec_hash}-seed{source.seed + 1}-n{max(source.workflows, TRAIN_WORKFLOWS)}-{variant}"
             f"-k{psrc.horizon}-e{psrc.epochs or 'd'}-{code_version()}")
     return cache_dir() / "predictors" / name
+
+
+def _check_replaceable(folder: Path) -> None:
+    """A `--train` run replaces OUT/train-VARIANT with the predictor it trains: refuse (before
+    training) when that folder holds anything but a saved predictor, which would be deleted."""
+    from pbkv.predict.store import check_target
+    try:
+        check_target(folder)
+    except ValueError as e:
+        raise ValueError(f"--train saves its predictor to {folder}, replacing it: {e}") from None
 
 
 def training_trace(source):
