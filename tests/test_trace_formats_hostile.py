@@ -79,6 +79,28 @@ def test_a_valid_delay_ms_is_written_as_delay_and_reads_back(tmp_path):
     assert back.calls[1].extra == {"delay_ms": 5.0} and back.calls[1].tool_wait == pytest.approx(2.0)
 
 
+@pytest.mark.parametrize("tool_wait, have", [(0.002, "tool_wait 0.002 s"), (None, "no tool_wait")],
+                         ids=["shorter", "absent"])
+def test_export_refuses_a_delay_ms_longer_than_the_tool_wait(tmp_path, tool_wait, have):
+    # Dynamo waits delay + tool_wait_ms; pbkv's replay waits tool_wait: a delay of 5 ms cannot fit in 2 ms (or none)
+    extra = {"tool_wait": tool_wait} if tool_wait is not None else {}
+    src = jsonl(tmp_path / "t.jsonl", [call(0), call(1, delay_ms=5, **extra)])
+    with pytest.raises(TraceError, match=rf"(^|/)t.jsonl:2: field 'delay_ms': expected at most the call's tool_wait "
+                                         rf"in ms .*this call has {have}.*, got 5$"):
+        export_file("agentic-mooncake", src, tmp_path / "o.jsonl")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("delay", [0.1, 0.3, 0.7, 1e-3, 123456.789, 0.0])
+def test_a_delay_equal_to_the_whole_wait_survives_import_then_export(tmp_path, delay):
+    # import: tool_wait = (delay + 0) / 1000; the export's x 1000 may round below delay: not a refusal
+    rows = [agentic_row("a", "s"), agentic_row("b", "s", wait_for=["a"], delay=delay, tool_wait_ms=0)]
+    trace, _ = import_trace("agentic-mooncake", jsonl(tmp_path / "a.jsonl", rows), source_block_size=16)
+    export_file("agentic-mooncake", write_trace(trace, tmp_path / "t.jsonl"), tmp_path / "o.jsonl")
+    out = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[1])
+    assert out["delay"] == delay and "tool_wait_ms" not in out
+
+
 # ---------------------------------------------------------------- 2: --limit cutting a session
 
 

@@ -21,8 +21,10 @@ named by its `request_id` (`<request_id>#<k>` when a `session_id` of the file is
 joins no other session). A row that waits for itself is an error (Dynamo's replay would deadlock).
 When `--limit` stops before the end of the file, no session's last kept row gets `done`.
 
-The export writes `delay_ms` (where the import keeps `delay`) back as `delay`, refusing a value
-that is not a finite number >= 0; `context` and other extra keys have no field in these rows and
+The export writes `delay_ms` (where the import keeps `delay`) back as `delay` and the rest of
+`tool_wait` as `tool_wait_ms`, refusing a `delay_ms` that is not a finite number >= 0 or that exceeds
+the call's `tool_wait` (in ms; no `tool_wait` is no wait): the row would wait longer than the call
+does in pbkv's replay, and no `tool_wait_ms` >= 0 could make up the difference; `context` and other extra keys have no field in these rows and
 are not written (a note counts them).
 """
 
@@ -156,12 +158,34 @@ def _step_order(trace: Trace) -> list[Call]:
 def check(trace: Trace, where: Callable[[int], str]) -> None:
     """Raise `TraceError` (at `where(index)`, the call's FILE:LINE) for a value `write` would write
     wrongly: `delay_ms` (pbkv's import keeps Dynamo's `delay` there; written back as `delay` on
-    steps after the first) must be a finite number >= 0, as the importer requires of `delay`."""
+    steps after the first) must be a finite number >= 0, as the importer requires of `delay`, and
+    at most the call's `tool_wait` in ms. Invariant of an accepted trace: every written row's
+    `delay` + `tool_wait_ms` is its call's `tool_wait` x 1000 (0 when absent)."""
     for i, call in enumerate(trace.calls):
         v = call.extra.get("delay_ms", 0.0)
-        if call.step and not (is_number(v) and v >= 0):
+        if not call.step:
+            continue
+        if not (is_number(v) and v >= 0):
             RowChecker(where(i), call.extra).fail(
                 "delay_ms", "expected a finite number >= 0 (milliseconds: written as Dynamo's `delay`)")
+        if _exceeds(v, call.tool_wait):
+            RowChecker(where(i), call.extra).fail("delay_ms", _too_long(call.tool_wait))
+
+
+def _exceeds(delay_ms: float, tool_wait: float | None) -> bool:
+    """Whether `delay_ms` is more than the whole wait `tool_wait` (s; None: no wait). Dynamo waits
+    `delay` + `tool_wait_ms` and pbkv keeps that sum whole in `tool_wait`, so a `delay` above it
+    would make the exported row wait longer than pbkv's replay does. The slack absorbs the float
+    error of the import's (delay + tool_wait_ms) / 1000 and the export's x 1000."""
+    total = (tool_wait or 0.0) * 1000.0
+    return delay_ms > total + 1e-9 * max(1.0, total)
+
+
+def _too_long(tool_wait: float | None) -> str:
+    """What `check` expected of a `delay_ms` that exceeds the call's `tool_wait`."""
+    have = "no tool_wait (no wait)" if tool_wait is None else f"tool_wait {tool_wait:g} s"
+    return (f"expected at most the call's tool_wait in ms (Dynamo's `delay` is part of the wait "
+            f"`delay` + `tool_wait_ms` that pbkv keeps whole in tool_wait; this call has {have})")
 
 
 def write(trace: Trace, f: IO[str]) -> ExportReport:
