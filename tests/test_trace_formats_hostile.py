@@ -216,6 +216,47 @@ def test_a_row_waiting_for_itself_is_an_error(tmp_path):
         import_trace("agentic-mooncake", src, source_block_size=16)
 
 
+@pytest.mark.parametrize("waits, message", [
+    ({"a": ["b"], "b": ["a"]}, r"(^|/)w.jsonl:2: field 'wait_for': wait_for links form a cycle of 2 rows: 'a' \(line 2\), "
+                               r"which waits for 'b' \(line 3\), which waits for 'a' .*, got \[\"b\"\]$"),
+    ({"a": ["x"], "b": ["a"], "c": ["b"], "x": ["c"]},
+     r"(^|/)w.jsonl:1: field 'wait_for': wait_for links form a cycle of 4 rows: 'x' \(line 1\), which waits for 'c' "
+     r"\(line 4\), which waits for 'b' \(line 3\), which waits for 'a' \(line 2\), which waits for 'x' "
+     r"\(a deadlock in Dynamo's replay\), got \[\"c\"\]$"),
+    ({"c": ["b", "a"], "b": ["c"]}, r"(^|/)w.jsonl:3: field 'wait_for': .*cycle of 2 rows: 'b' \(line 3\), "
+                                    r"which waits for 'c' \(line 4\), which waits for 'b'"),
+], ids=["two", "four-from-the-first-row", "not-through-the-first-row"])
+def test_a_wait_for_cycle_of_any_length_is_an_error_naming_its_rows_and_lines(tmp_path, waits, message):
+    # rows x (line 1), a, b, c, in two sessions: a cycle may cross sessions and need not start at line 1
+    rows = [agentic_row(rid, "s" if rid in "ab" else "t", wait_for=waits.get(rid, [])) for rid in "xabc"]
+    with pytest.raises(TraceError, match=message):
+        import_trace("agentic-mooncake", jsonl(tmp_path / "w.jsonl", rows), source_block_size=16)
+
+
+def test_a_long_wait_for_cycle_is_found_without_recursion(tmp_path):
+    n = 3000  # deeper than Python's recursion limit
+    rows = [agentic_row(f"r{i}", "s", wait_for=[f"r{(i - 1) % n}"]) for i in range(n)]
+    with pytest.raises(TraceError, match=rf"w.jsonl:1: field 'wait_for': wait_for links form a cycle of {n} rows: "
+                                         rf"'r0' \(line 1\), which waits for 'r2999' \(line 3000\), "):
+        import_trace("agentic-mooncake", jsonl(tmp_path / "w.jsonl", rows), source_block_size=16)
+
+
+def test_wait_for_links_that_meet_without_a_cycle_are_accepted(tmp_path):
+    # a diamond (d waits for b and c, both for a) and a link cut by --limit close no cycle
+    rows = [agentic_row("a", "s"), agentic_row("b", "s", wait_for=["a"]), agentic_row("c", "t", wait_for=["a"]),
+            agentic_row("d", "s", wait_for=["b", "c", "e"]), agentic_row("e", "s", wait_for=["d"])]
+    trace, report = import_trace("agentic-mooncake", jsonl(tmp_path / "w.jsonl", rows), source_block_size=16, limit=4)
+    assert [(c.workflow_id, c.step) for c in trace.calls] == [("s", 0), ("s", 1), ("t", 0), ("s", 2)]
+    assert ("d", "e", "dangling") not in {(e.src, e.dst, e.kind) for e in report.dropped_edges}
+
+
+def test_a_row_branching_to_itself_is_an_error(tmp_path):
+    src = jsonl(tmp_path / "w.jsonl", [agentic_row("a", "s", branches=["b", "a"]), agentic_row("b", "t")])
+    with pytest.raises(TraceError, match=r"(^|/)w.jsonl:1: field 'branches': names the row's own request_id 'a': a row "
+                                         r"cannot spawn itself, got \[\"b\", \"a\"\]$"):
+        import_trace("agentic-mooncake", src, source_block_size=16)
+
+
 # ---------------------------------------------------------------- 5: exit codes of bad options
 
 

@@ -18,7 +18,9 @@ Every edge other than "previous row of the same session -> next row" is reported
 `agent` field when present (pbkv's export writes it), else `subagent` for a session spawned by
 another one and `main` otherwise. A row without `session_id` is its own trajectory, a workflow
 named by its `request_id` (`<request_id>#<k>` when a `session_id` of the file is that id, so it
-joins no other session). A row that waits for itself is an error (Dynamo's replay would deadlock).
+joins no other session). A row that waits for itself, directly or through other rows (a
+`wait_for` cycle of any length), is an error naming the cycle's rows and lines (Dynamo's replay
+would deadlock), and so is a row whose `branches` names itself.
 When `--limit` stops before the end of the file, no session's last kept row gets `done`.
 
 The export writes `delay_ms` (where the import keeps `delay`) back as `delay` and the rest of
@@ -56,6 +58,8 @@ def _parse(row: Row, block_size: int) -> dict:
     if out["request_id"] in out["wait_for"]:  # Dynamo's replay would wait forever for this row
         chk.fail("wait_for", f"names the row's own request_id {out['request_id']!r}: a row cannot wait for "
                              f"itself (a deadlock in Dynamo's replay)")
+    if out["request_id"] in out["branches"]:  # a row is not its own child: the edge says nothing real
+        chk.fail("branches", f"names the row's own request_id {out['request_id']!r}: a row cannot spawn itself")
     out["lengths"] = lengths_and_ids(chk, block_size)
     return out
 
@@ -70,6 +74,7 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
             row.chk.fail("request_id", f"duplicate request_id (first at line {where[rid].line})")
         where[rid] = row
         parsed.append(p)
+    _refuse_cycles(parsed, where)
     place: dict[str, tuple[str, int]] = {}  # request_id -> (session, step)
     steps: dict[str, int] = {}
     for p, session in zip(parsed, _sessions(parsed, report)):
@@ -90,6 +95,46 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
             done=session_done(step == steps[session] - 1, report),
             extra={"delay_ms": p["delay"]} if step and p["delay"] else {}))
     return calls
+
+
+def _refuse_cycles(parsed: list[dict], where: dict[str, Row]) -> None:
+    """Raise `TraceError` when `wait_for` links form a cycle (Dynamo's replay would wait forever
+    for all its rows), at the line of the cycle's first row in the file, naming every member in
+    waiting order with its line. Links to rows not in the file (cut by `--limit`) cannot close a
+    cycle and are left to `_edges`; a row waiting for itself was refused by `_parse`."""
+    cycle = _wait_cycle(parsed, where)
+    if cycle is None:
+        return
+    first = min(range(len(cycle)), key=lambda i: where[cycle[i]].line)
+    cycle = cycle[first:] + cycle[:first]
+    chain = ", which waits for ".join(f"{rid!r} (line {where[rid].line})" for rid in cycle)
+    where[cycle[0]].chk.fail("wait_for", f"wait_for links form a cycle of {len(cycle)} rows: {chain}, which waits "
+                                         f"for {cycle[0]!r} (a deadlock in Dynamo's replay)")
+
+
+def _wait_cycle(parsed: list[dict], where: dict[str, Row]) -> list[str] | None:
+    """Request ids of one `wait_for` cycle, each waiting for the next and the last for the first;
+    None when the links form no cycle. An iterative depth-first search: a session of thousands of
+    chained rows must not hit Python's recursion limit."""
+    deps = {p["request_id"]: [d for d in p["wait_for"] if d in where] for p in parsed}
+    state: dict[str, bool] = {}  # request_id -> still on the search path (False: finished, no cycle)
+    for p in parsed:
+        if p["request_id"] in state:
+            continue
+        path, todo = [p["request_id"]], [iter(deps[p["request_id"]])]
+        state[p["request_id"]] = True
+        while path:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = False
+                todo.pop()
+            elif state.get(nxt):
+                return path[path.index(nxt):]
+            elif nxt not in state:
+                state[nxt] = True
+                path.append(nxt)
+                todo.append(iter(deps[nxt]))
+    return None
 
 
 def _sessions(parsed: list[dict], report: ImportReport) -> list[str]:
