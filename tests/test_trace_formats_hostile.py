@@ -1,6 +1,7 @@
 """Hostile inputs to trace import/export/split (reproductions under hostile2/repro/1, 6, 7, 8, 9):
 bad `delay_ms` on export, `--limit` cutting a session, what an export cannot carry, split metadata,
-sessionless agentic rows and self-waits, exit codes of bad options, NaN in extra fields."""
+sessionless agentic rows, self-waits and wait_for cycles, Bailian timing of later turns, exit codes of bad
+options, NaN in extra fields."""
 
 import json
 import re
@@ -255,6 +256,46 @@ def test_a_row_branching_to_itself_is_an_error(tmp_path):
     with pytest.raises(TraceError, match=r"(^|/)w.jsonl:1: field 'branches': names the row's own request_id 'a': a row "
                                          r"cannot spawn itself, got \[\"b\", \"a\"\]$"):
         import_trace("agentic-mooncake", src, source_block_size=16)
+
+
+def bailian_row(chat, parent, t, turn, **kw):
+    return {"chat_id": chat, "parent_chat_id": parent, "timestamp": t, "input_length": 16, "output_length": 1,
+            "type": "text", "turn": turn, "hash_ids": [1], **kw}
+
+
+def test_a_bailian_chat_that_is_its_own_parent_is_an_error(tmp_path):
+    src = jsonl(tmp_path / "b.jsonl", [bailian_row(1, -1, 0.0, 1), bailian_row(3, 3, 1.0, 2)])
+    with pytest.raises(TraceError, match=r"(^|/)b.jsonl:2: field 'parent_chat_id': a chat cannot be its own parent, "
+                                         r"got 3$"):
+        import_trace("bailian", src)
+
+
+# ---------------------------------------------------------------- 4b: Bailian timing of later turns
+
+
+def test_bailian_later_turns_wait_the_gap_since_the_previous_arrival(tmp_path):
+    # replay starts a workflow at its first t and issues later steps tool_wait after the previous one ends:
+    # without a tool_wait, turns 30 s apart in the trace would run back to back
+    rows = [bailian_row(1, -1, 1.0, 1), bailian_row(5, -1, 2.0, 1), bailian_row(2, 1, 31.0, 2),
+            bailian_row(3, 2, 31.1, 3), bailian_row(6, 5, 2.0, 2)]
+    trace, report = import_trace("bailian", jsonl(tmp_path / "b.jsonl", rows))
+    wfs = trace.workflows()
+    assert [(c.t, c.tool_wait) for c in wfs["bailian-1"]] == [(1.0, None), (31.0, 30.0), (31.1, 0.1)]
+    assert [(c.t, c.tool_wait) for c in wfs["bailian-5"]] == [(2.0, None), (2.0, 0.0)]
+    assert not any("arrived before" in n for n in report.notes)
+    back = read_trace(write_trace(trace, tmp_path / "t.jsonl"))
+    assert [c.tool_wait for c in back.calls] == [None, None, 30.0, 0.1, 0.0]
+
+
+def test_a_bailian_step_that_arrived_before_its_predecessor_waits_0_and_is_noted(tmp_path):
+    # turn first: chat 4 (turn 3, t=6) runs after chat 2 (turn 2, t=10), though it arrived earlier
+    rows = [bailian_row(1, -1, 0.0, 1), bailian_row(2, 1, 10.0, 2), bailian_row(3, 1, 4.0, 2),
+            bailian_row(4, 3, 6.0, 3)]
+    trace, report = import_trace("bailian", jsonl(tmp_path / "b.jsonl", rows))
+    assert [(c.t, c.tool_wait) for c in trace.workflows()["bailian-1"]] == [
+        (0.0, None), (4.0, 4.0), (10.0, 6.0), (6.0, 0.0)]
+    assert "1 chat(s) arrived before the previous step of their workflow (steps are ordered by turn, then " \
+           "timestamp): their tool_wait is 0" in report.notes
 
 
 # ---------------------------------------------------------------- 5: exit codes of bad options

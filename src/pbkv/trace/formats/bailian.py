@@ -10,9 +10,18 @@ Sessions are rebuilt from the parent links: a root and all its descendants form 
 agent and `t` the timestamp. A chat whose parent is not in the file (outside the two-hour window,
 or cut by `--limit`) starts its own workflow. A parent with several children (a tree, not a chain)
 cannot be one sequence: every parent link that does not join consecutive steps is reported.
-The traces record no tool or think time between turns (only arrivals), so `tool_wait` is left
-out and `t` keeps each chat's arrival for open-loop replay. When `--limit` stops before the end of
-the file, a conversation may go on past the cut, so no workflow's last kept step gets `done`.
+
+Timing: `t` is each chat's `timestamp`. pbkv's replay starts a workflow at its first step's `t` and
+issues every later step `tool_wait` seconds after the previous step finishes (later `t`s are not
+replayed), so each later step's own timestamp becomes its `tool_wait`: the gap since the previous
+step's arrival, `t[k] - t[k-1]`. The traces record arrivals only, not when a reply ended, so this
+gap also holds the previous chat's service time: it is an upper bound on the user's think time,
+and a replay at the traced speed issues each step no earlier after its predecessor than the trace
+did. A step that arrived before its predecessor (steps are ordered by turn first, and siblings of
+a tree may interleave in time) gets `tool_wait` 0, and a note counts such steps.
+
+When `--limit` stops before the end of the file, a conversation may go on past the cut, so no
+workflow's last kept step gets `done`.
 """
 
 from __future__ import annotations
@@ -48,14 +57,31 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
     members: dict[int, list[int]] = {}
     for chat in chats:
         members.setdefault(roots[chat], []).append(chat)
+    early = 0
     for root, group in members.items():
         group.sort(key=order.__getitem__)
         for step, chat in enumerate(group):
             call = chats[chat][2]
             call.workflow_id, call.step = f"bailian-{root}", step
             call.done = session_done(step == len(group) - 1, report)
+        early += _set_waits([chats[chat][2] for chat in group])
+    if early:
+        report.notes.append(f"{early} chat(s) arrived before the previous step of their workflow (steps are "
+                            f"ordered by turn, then timestamp): their tool_wait is 0")
     _report_branches(chats, report)
     return [call for _, _, call in chats.values()]
+
+
+def _set_waits(steps: list[Call]) -> int:
+    """Give each step after the first `tool_wait` = its arrival `t` minus the previous step's (s,
+    rounded to the microsecond, clamped at 0); return how many were clamped. Invariant: the first
+    step keeps no `tool_wait` (its `t` starts the workflow)."""
+    early = 0
+    for prev, call in zip(steps, steps[1:]):
+        gap = call.t - prev.t
+        early += gap < 0
+        call.tool_wait = round(max(0.0, gap), 6)
+    return early
 
 
 def _roots(chats: dict[int, tuple[Row, int, Call]], report: ImportReport) -> dict[int, int]:
