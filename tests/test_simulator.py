@@ -124,6 +124,53 @@ def test_a_call_issued_after_a_tool_wait_during_a_prefill_is_stamped_at_its_issu
     assert rec.ttft[-1] == pytest.approx(both + 0.05 + long + w1_prefill - issued)   # w1 ends last
 
 
+def test_a_blocked_queue_unpins_now_rather_than_waiting_for_an_unrelated_event():
+    """Nothing runs; A cannot be admitted because B's loaded prefix pins device space. No event
+    can free memory then, so the queued pins are released at once: A is not held back until C,
+    an unrelated call 95 s later, arrives."""
+    def blocks(a, n):
+        return list(range(a, a + n))
+    calls = [Call("w0", 0, "a", 160, 1, blocks(1, 10), t=0.0), Call("w1", 0, "a", 160, 1, blocks(101, 10), t=1.0),
+             Call("w2", 0, "a", 320, 1, blocks(201, 20), t=2.0), Call("A", 0, "a", 320, 50, blocks(1, 20), t=5.0),
+             Call("B", 0, "a", 176, 1, blocks(101, 11), t=5.001)]
+    late = [Call("C", 0, "a", 16, 1, [500], t=100.0)]
+    ttft = []
+    for extra in ([], late):
+        wl = Workload("t", Trace(TraceMeta(block_size=16), calls + extra))
+        engine, _ = simulator(wl, device=400, host=4000)
+
+        class ByWorkflow(Recorder):
+            def call_finished(self, req):
+                super().call_finished(req)
+                if req.call.workflow_id == "A":
+                    ttft.append(req.first_token - req.arrival)
+        Replay(engine, wl.workflows, None, ByWorkflow()).run()
+    assert ttft[0] < 0.1 and ttft[1] == pytest.approx(ttft[0])
+
+
+def test_an_arrival_due_exactly_at_a_decode_step_end_costs_no_extra_step():
+    """`late` arrives at F + k * dt, the float the engine reaches after k steps of `long`'s decode:
+    it is prefilled at once (one 16-token prefill), whatever k (float rounding cost a step)."""
+    cost = CostModel(PROFILE)
+    first = cost.prefill_seconds(cost.prefill_flops(32, 0))
+    dt = cost.decode_step_seconds(1, 33)
+    quick = cost.prefill_seconds(cost.prefill_flops(16, 0))
+    for k in (12, 13, 14, 26):
+        t = first + k * dt   # the engine adds k * dt in one go: the same float
+        calls = [Call("long", 0, "a", 32, 200, [1, 2], t=0.0), Call("late", 0, "a", 16, 1, [9], t=t)]
+        wl = Workload("t", Trace(TraceMeta(block_size=16), calls))
+        rec = Replay(simulator(wl)[0], wl.workflows, None, Recorder()).run()
+        assert rec.ttft[0] == pytest.approx(quick, abs=1e-9), k
+
+
+def test_a_prompt_held_whole_reserves_no_space_for_its_recomputed_last_token():
+    """Step 1's 16-token prompt is cached whole; it recomputes its last token into the pinned
+    block, so 16 + 200 outputs fit a 216-token device (it was refused one token short: stuck)."""
+    calls = [Call("w", 0, "a", 16, 1, [1]), Call("w", 1, "a", 16, 200, [1])]
+    rec, engine, _ = run(one_workflow(*calls), device=216)
+    assert rec.calls == 2 and rec.device_hit == 15 and engine.cache.free(0) == 216 - 16   # its block stays cached
+
+
 def test_closed_loop_runs_every_workflow_once_per_lane():
     wl = Workload("t", Trace(TraceMeta(), [Call(f"w{i}", 0, "a", 32, 2, [i * 2, i * 2 + 1]) for i in range(5)]))
     rec, _, _ = run(wl, concurrency=2)

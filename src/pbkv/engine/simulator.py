@@ -57,6 +57,7 @@ class Simulator(EngineBase):
         self._sum_input = 0   # prompt tokens of running requests
         self._sum_join = 0    # decode step at which each running request joined
         self._link_free_at = 0.0
+        self._blocked = False   # the last prefill pass found the queue blocked for memory
         self._inflight: dict[int, float] = {}  # node id -> when the load moving it up completes
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
@@ -82,6 +83,8 @@ class Simulator(EngineBase):
             return True
         if self._running:
             self._decode_round()
+        elif self._blocked and self._unpin_waiting():
+            return True   # nothing runs, so no event can free memory: waiting for one only delays the head
         elif self._events:
             self.now = max(self.now, self._events.next_time())
         elif self._waiting and self._unpin_waiting():
@@ -107,8 +110,11 @@ class Simulator(EngineBase):
     # ------------------------------------------------------------------ scheduling
 
     def _prefill_round(self) -> bool:
+        """One prefill pass over the queue (FCFS); whether anything was prefilled. Sets
+        `_blocked`: nothing was, and a request that is not loading could not be admitted."""
         batch: list[Request] = []
         flops, budget = 0.0, self.max_prefill_tokens
+        blocked = False
         for req in self._waiting:
             if req.loading:
                 continue
@@ -116,6 +122,7 @@ class Simulator(EngineBase):
                 break
             status = self._admit(req)
             if status == BLOCKED:
+                blocked = True
                 break
             if status == LOADING:
                 continue
@@ -125,6 +132,7 @@ class Simulator(EngineBase):
             budget -= new
             if budget <= 0:
                 break
+        self._blocked = blocked and not batch
         if not batch:
             return False
         admitted = set(map(id, batch))
@@ -150,7 +158,8 @@ class Simulator(EngineBase):
             node = self.tree.split(node, matched - node.start)
         path = node.path() if matched else []
         per_tier = tokens_by_tier(path)
-        over = sum(per_tier) - (call.input_length - 1)  # the last prompt token is always computed
+        held = sum(per_tier)
+        over = held - (call.input_length - 1)  # the last prompt token is always computed
         if over > 0:
             per_tier[path[-1].tier] -= over
         lower = [n for n in path if n.tier != Tier.DEVICE]
@@ -167,7 +176,9 @@ class Simulator(EngineBase):
         if pin is not None:
             self.tree.lock(pin)
         cached = per_tier[Tier.DEVICE]
-        need = call.input_length - cached + call.output_length
+        # new space: the prompt tokens the pinned path does not hold, and the outputs (a prompt
+        # held whole recomputes its last token into the pinned block: no space of its own)
+        need = call.input_length - held + call.output_length
         if not self.cache.reserve(need):
             if pin is not None:
                 self.tree.unlock(pin)
@@ -223,7 +234,9 @@ class Simulator(EngineBase):
         dt = self.cost.decode_step_seconds(batch, context)
         steps = running[0][0] - self._step
         if self._events:
-            steps = min(steps, max(1, math.ceil((self._events.next_time() - self.now) / dt)))
+            # the steps that reach the next event; the tolerance keeps an event due exactly at a
+            # step's end (the same float sum) from costing one step more through rounding
+            steps = min(steps, max(1, math.ceil((self._events.next_time() - self.now) / dt - 1e-9)))
         self._prefetch(steps * dt)
         self.now += steps * dt
         self._step += steps
