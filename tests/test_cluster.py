@@ -54,6 +54,22 @@ def test_one_instance_behind_a_router_is_the_plain_open_loop_record(policy):
     assert {k: c[k] for k in one if k not in skip} == {k: v for k, v in one.items() if k not in skip}
 
 
+def test_a_call_routed_to_an_instance_mid_decode_joins_at_the_next_step():
+    """Round-robin sends short's second call (issued at ~0.37 s) to the instance decoding long's
+    2,000 tokens: it joins that batch at the next step, as on one instance, not when the ~79 s
+    run ends (the instance's decode run stops where another instance may send it a call)."""
+    from pbkv.bench.run import Workload
+    from pbkv.trace import Call, Trace, TraceMeta
+    calls = [Call("long", 0, "a", 16, 2000, [1], t=0.0), Call("short", 0, "a", 32, 10, [100, 101], t=0.0),
+             Call("short", 1, "a", 48, 1, [100, 101, 102], tool_wait=0.0)]
+    run = cfg("lru", concurrency=None)
+    one = simulate(Workload("t", Trace(TraceMeta(block_size=16), calls)), run)
+    two = simulate_cluster(Workload("t", Trace(TraceMeta(block_size=16), calls)), run, 2, "round-robin",
+                           get_link("pcie4"))
+    assert two["mean_workflow_latency_s"] == pytest.approx(one["mean_workflow_latency_s"], rel=0.002)
+    assert two["p99_ttft_s"] < 0.1
+
+
 def test_one_pbkv_instance_reports_the_plain_records_monitor_readings():
     wl = load_workload(WL)
     run = cfg("pbkv")

@@ -58,6 +58,9 @@ class Simulator(EngineBase):
         self._sum_join = 0    # decode step at which each running request joined
         self._link_free_at = 0.0
         self._blocked = False   # the last prefill pass found the queue blocked for memory
+        # a decode run ends at the first step reaching `horizon` (`pbkv.scale.cluster` sets it:
+        # the earliest moment another instance may send a call here)
+        self.horizon = math.inf
         self._inflight: dict[int, float] = {}  # node id -> when the load moving it up completes
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
@@ -106,6 +109,18 @@ class Simulator(EngineBase):
     def queued(self) -> int:
         """Requests waiting for admission."""
         return len(self._waiting)
+
+    def quiet_until(self) -> float:
+        """A lower bound on when this engine next ends a call (the driver's cue to issue more)
+        if nothing is submitted meanwhile: its next event, now if its queue may prefill (an
+        output of one token ends with the pass), else the running head's end at today's step
+        time (batch and context only grow before that end, and a step never gets faster)."""
+        t = self._events.next_time() if self._events else math.inf
+        if self._waiting and not self._blocked:
+            return min(t, self.now)
+        if self._running:
+            t = min(t, self.now + (self._running[0][0] - self._step) * self._step_seconds())
+        return t
 
     # ------------------------------------------------------------------ scheduling
 
@@ -227,16 +242,20 @@ class Simulator(EngineBase):
         self._sum_input += call.input_length
         self._sum_join += self._step
 
+    def _step_seconds(self) -> float:
+        """One decode step of the running batch now."""
+        batch = len(self._running)
+        return self.cost.decode_step_seconds(batch, self._sum_input + batch * (self._step + 1) - self._sum_join)
+
     def _decode_round(self) -> None:
         running = self._running
-        batch = len(running)
-        context = self._sum_input + batch * (self._step + 1) - self._sum_join
-        dt = self.cost.decode_step_seconds(batch, context)
+        dt = self._step_seconds()
         steps = running[0][0] - self._step
-        if self._events:
+        until = min(self.horizon, self._events.next_time()) if self._events else self.horizon
+        if until < math.inf:
             # the steps that reach the next event; the tolerance keeps an event due exactly at a
             # step's end (the same float sum) from costing one step more through rounding
-            steps = min(steps, max(1, math.ceil((self._events.next_time() - self.now) / dt - 1e-9)))
+            steps = min(steps, max(1, math.ceil((until - self.now) / dt - 1e-9)))
         self._prefetch(steps * dt)
         self.now += steps * dt
         self._step += steps

@@ -9,9 +9,12 @@ the field and the value.
 
 Time: the cluster keeps the driver's events; instances keep their own. `run` always advances
 whichever is earliest: a due driver event, or one `step` of the instance whose clock is
-behind. Before an instance steps, the next driver event is also put on that instance's queue
-(a no-op), so a decode run never jumps past the moment a call may arrive there. An instance
-that was idle is brought to the cluster's time when a call is routed to it.
+behind. Before an instance steps, its `horizon` is set to the earliest moment a call may be
+sent to it: the next driver event, or the moment another instance may end a call (its
+`quiet_until`; the driver then issues the workflow's next call, which may land here). A decode
+run stops there, so a call routed to an instance in the middle of a long decode run joins at
+the next step, as in continuous batching, and the router sees the instance as it is then. An
+instance that was idle is brought to the cluster's time when a call is routed to it.
 
 KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
 holds beyond what the target holds are sent over the target's inbound `Link` (transfers to one
@@ -131,7 +134,6 @@ class Cluster:
         self._started: dict[int, set[int]] = {}     # workflow -> instances told it started
         self._last: dict[int, int] = {}              # workflow -> instance of its latest call
         self._inbound_free = [0.0] * len(instances)
-        self._barrier = [math.nan] * len(instances)
         self.views = [SimView(k, e, self._wf_index) for k, e in enumerate(instances)]
 
     # ------------------------------------------------------------------ driver API
@@ -206,9 +208,7 @@ class Cluster:
                 self._events.fire_due(lambda: self._t)
                 continue
             engine = self.instances[k]
-            if tg < math.inf and self._barrier[k] != tg:
-                engine.at(tg, _noop)
-                self._barrier[k] = tg
+            engine.horizon = min([tg] + [self.instances[j].quiet_until() for _, j in busy if j != k])
             self._current = engine
             try:
                 engine.step()
@@ -295,7 +295,3 @@ class Cluster:
             self.stats.shared_read_failed += 1
         else:
             self.stats.fetch_failed += 1
-
-
-def _noop() -> None:
-    pass
