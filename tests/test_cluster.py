@@ -70,6 +70,22 @@ def test_a_call_routed_to_an_instance_mid_decode_joins_at_the_next_step():
     assert two["p99_ttft_s"] < 0.1
 
 
+@pytest.mark.parametrize("router, shared", [("round-robin", 10**6), ("least-load", 0)])
+def test_a_call_issued_during_a_prefill_pass_sees_the_instances_as_they_are_then(router, shared):
+    """P's 8,000-token prefill runs from 0 to ~2.1 s on instance 0; Q (P's prompt + one block) is
+    issued at 0.5 s. P's KV does not exist yet: Q cannot read it from the shared tier, and
+    least-load sees instance 0 busy. Q recomputes on instance 1, as fast as P (it read P's
+    blocks at 0.5 s and least-load queued it behind P: the pass's effects were visible early)."""
+    from pbkv.bench.run import Workload
+    from pbkv.trace import Call, Trace, TraceMeta
+    calls = [Call("P", 0, "a", 8000, 1, list(range(500)), t=0.0),
+             Call("Q", 0, "a", 8016, 1, list(range(501)), t=0.5)]
+    r = simulate_cluster(Workload("t", Trace(TraceMeta(block_size=16), calls)), cfg(concurrency=None), 2, router,
+                         get_link("pcie4"), shared_tokens=shared, shared_link=get_link("nvme"))
+    assert not shared or r["shared_tier_reads"] == 0
+    assert r["recomputed_tokens"] == 8000 + 8016 and r["p99_ttft_s"] > 2
+
+
 def test_one_pbkv_instance_reports_the_plain_records_monitor_readings():
     wl = load_workload(WL)
     run = cfg("pbkv")

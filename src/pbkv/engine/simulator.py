@@ -61,6 +61,10 @@ class Simulator(EngineBase):
         # a decode run ends at the first step reaching `horizon` (`pbkv.scale.cluster` sets it:
         # the earliest moment another instance may send a call here)
         self.horizon = math.inf
+        # the requests of the prefill pass that ends at `now`: its effects (blocks in the tree, first
+        # tokens, calls of one output token ending) come in the next step, so that behind a router
+        # calls issued during the pass see this instance as it is then (`pbkv.scale.cluster`)
+        self._pass: list[Request] = []
         self._inflight: dict[int, float] = {}  # node id -> when the load moving it up completes
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
@@ -81,6 +85,9 @@ class Simulator(EngineBase):
         """One turn of the serving loop (due events, then a prefill pass, a decode run, or a jump
         to the next event); False when nothing is left. `pbkv.scale.cluster` interleaves the
         steps of several instances on one clock."""
+        if self._pass:   # the pass ended at `now`: its effects, alone in this step (see `_pass`)
+            self._end_pass()
+            return True
         self._fire_events()
         if self._waiting and self._prefill_round():
             return True
@@ -100,11 +107,11 @@ class Simulator(EngineBase):
 
     def busy(self) -> bool:
         """Whether `step` has anything to do (requests, runs or scheduled events)."""
-        return bool(self._waiting or self._running or self._events)
+        return bool(self._pass or self._waiting or self._running or self._events)
 
     def load(self) -> int:
-        """Requests waiting or running (a router's view of this instance's queue)."""
-        return len(self._waiting) + len(self._running)
+        """Requests waiting, in the prefill pass or running (a router's view of this instance's queue)."""
+        return len(self._waiting) + len(self._pass) + len(self._running)
 
     def queued(self) -> int:
         """Requests waiting for admission."""
@@ -116,7 +123,7 @@ class Simulator(EngineBase):
         output of one token ends with the pass), else the running head's end at today's step
         time (batch and context only grow before that end, and a step never gets faster)."""
         t = self._events.next_time() if self._events else math.inf
-        if self._waiting and not self._blocked:
+        if self._pass or (self._waiting and not self._blocked):
             return min(t, self.now)
         if self._running:
             t = min(t, self.now + (self._running[0][0] - self._step) * self._step_seconds())
@@ -156,9 +163,13 @@ class Simulator(EngineBase):
         self.now += seconds
         self.stats.prefills += 1
         self.stats.prefill_seconds += seconds
+        self._pass = batch
+        return True
+
+    def _end_pass(self) -> None:
+        batch, self._pass = self._pass, []
         for req in batch:
             self._after_prefill(req)
-        return True
 
     def _admit(self, req: Request) -> str:
         """Match, then load the prefix from below or pin it and reserve space for the rest."""

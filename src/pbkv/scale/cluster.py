@@ -13,7 +13,10 @@ behind. Before an instance steps, its `horizon` is set to the earliest moment a 
 sent to it: the next driver event, or the moment another instance may end a call (its
 `quiet_until`; the driver then issues the workflow's next call, which may land here). A decode
 run stops there, so a call routed to an instance in the middle of a long decode run joins at
-the next step, as in continuous batching, and the router sees the instance as it is then. An
+the next step, as in continuous batching, and the router sees the instance as it is then. A
+prefill pass cannot stop; its effects (blocks in the tree, calls ending, their write-behind to
+the shared tier) come in the instance's next step, after the driver events due during the pass,
+so a call issued then never sees or reads KV that does not exist yet. An
 instance that was idle is brought to the cluster's time when a call is routed to it.
 
 KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
