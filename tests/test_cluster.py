@@ -86,6 +86,25 @@ def test_a_call_issued_during_a_prefill_pass_sees_the_instances_as_they_are_then
     assert r["recomputed_tokens"] == 8000 + 8016 and r["p99_ttft_s"] > 2
 
 
+def test_reads_from_the_shared_tier_queue_on_its_one_device():
+    """X and Y, on two idle instances, read P's 2,000-token prefix from the shared tier at once:
+    the second read waits for the first (one NVMe device), not both at the full bandwidth."""
+    from pbkv.bench.run import Workload
+    from pbkv.engine.cost import CostModel
+    from pbkv.trace import Call, Trace, TraceMeta
+    p = list(range(125))
+    calls = [Call("P", 0, "a", 2000, 1, p, t=0.0), Call("X", 0, "a", 2016, 1, p + [900], t=1.0),
+             Call("Y", 0, "a", 2016, 1, p + [901], t=1.0)]
+    r = simulate_cluster(Workload("t", Trace(TraceMeta(block_size=16), calls)), cfg(concurrency=None), 3,
+                         "round-robin", get_link("pcie4"), shared_tokens=10**5, shared_link=get_link("nvme"))
+    cost = CostModel(load_profile("a6000-qwen3-32b"))
+    first = cost.prefill_seconds(cost.prefill_flops(2000, 0))
+    rest = cost.prefill_seconds(cost.prefill_flops(16, 2000))
+    read = get_link("nvme").seconds(2000 * cost.kv_bytes)
+    assert r["shared_tier_reads"] == 2
+    assert r["mean_ttft_s"] == pytest.approx((first + (read + rest) + (2 * read + rest)) / 3, rel=1e-4)
+
+
 def test_one_pbkv_instance_reports_the_plain_records_monitor_readings():
     wl = load_workload(WL)
     run = cfg("pbkv")

@@ -21,7 +21,8 @@ instance that was idle is brought to the cluster's time when a call is routed to
 
 KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
 holds beyond what the target holds are sent over the target's inbound `Link` (transfers to one
-instance queue behind each other), inserted into the target's device tier when they arrive,
+instance queue behind each other; reads from the shared tier queue on that one device instead,
+whichever instance reads), inserted into the target's device tier when they arrive,
 and only then is the call submitted there. Bytes sent are counted in `stats.bytes_moved`.
 With a `SharedTier`, every finished call's prompt blocks are also written behind to it, and a
 call whose prefix the shared tier holds further than the target or the router's peer fetch
@@ -47,12 +48,14 @@ from pbkv.scale.links import Link
 
 class SharedTier:
     """The simulated shared KV tier: full blocks any instance wrote, LRU-bounded in tokens; reads
-    cross `link` (its bandwidth and latency) into the reading instance."""
+    cross `link` (its bandwidth and latency) into the reading instance. It is one device: reads
+    by all instances queue behind each other (`free_at`), not behind an instance's peer fetches."""
 
     def __init__(self, capacity_tokens: int, link: Link, block_size: int):
         self.capacity_blocks = capacity_tokens // block_size
         self.link = link
         self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.free_at = 0.0   # when the reads queued so far are done
 
     def prefix_blocks(self, hash_ids) -> int:
         n = 0
@@ -226,13 +229,12 @@ class Cluster:
         engine = self.instances[k]
         tokens = (len(blocks) - local) * engine.block_size
         nbytes = tokens * self.kv_bytes_per_token
-        start = max(self.now, self._inbound_free[k])
-        done = start + link.seconds(nbytes, self.gpus)
-        self._inbound_free[k] = done
-        if shared:
+        if shared:   # one device for every instance's reads
+            done = self.shared.free_at = max(self.now, self.shared.free_at) + link.seconds(nbytes, self.gpus)
             self.stats.shared_reads += 1
             self.stats.bytes_from_shared += nbytes
-        else:
+        else:        # the target's inbound link
+            done = self._inbound_free[k] = max(self.now, self._inbound_free[k]) + link.seconds(nbytes, self.gpus)
             self.stats.fetches += 1
             self.stats.fetched_tokens += tokens
             self.stats.bytes_moved += nbytes
@@ -258,7 +260,8 @@ class Cluster:
         extra = (have - max(local, peer)) * self.instances[0].block_size
         if extra <= 0:
             return 0
-        read_s = self.shared.link.seconds(extra * self.kv_bytes_per_token, self.gpus)
+        queued = max(0.0, self.shared.free_at - self.now)   # reads by other instances ahead of this one
+        read_s = queued + self.shared.link.seconds(extra * self.kv_bytes_per_token, self.gpus)
         return have if read_s < self.router.config.recompute_s(extra) else 0
 
     def _write_behind(self, req: Request) -> None:
