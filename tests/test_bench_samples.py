@@ -24,7 +24,27 @@ def test_sample_zero_is_the_nominal_run_and_later_ones_scale_every_tier():
     assert (caps.device, caps.host, caps.disk) == (1010, 2020, 0)
     # capacities left to the profile are resolved first, then scaled
     prof = RunConfig("lru", 4, load_profile("a6000-qwen3-32b"))
-    assert samples.scaled(prof, 1).capacities().device == int(prof.capacities().device * 1.005)
+    assert samples.scaled(prof, 1).capacities().device == round(prof.capacities().device * 1.005)
+    # sizes are rounded (6000 x 1.005 is 6029.99... in floats), the shared tier's too
+    assert samples.scaled(RunConfig("lru", 4, load_profile("a6000-qwen3-32b"), CacheConfig(6000)), 1) \
+        .capacities().device == 6030
+    assert [samples.tokens(20000, i) for i in range(3)] == [20000, 20100, 20200]
+
+
+def test_samples_scale_the_shared_tier_of_several_instances(monkeypatch):
+    from pbkv.bench import cluster_run
+    seen = []
+    real = cluster_run.simulate_cluster
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["shared_tokens"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(cluster_run, "simulate_cluster", spy)
+    cfg = SweepConfig(sources=[Source("hover", spec="hover", workflows=6, seed=0)], policies=["lru"], concurrency=[2],
+                      cache=CacheConfig(device_tokens=20_000), jobs=1, samples=3, instances=[2],
+                      routers=["round-robin"], shared_tokens=20_000)
+    run_sweep(cfg)
+    assert sorted(seen) == [20000, 20100, 20200]
 
 
 def rec(policy, sample, latency, hits=0.5, evictions=10):

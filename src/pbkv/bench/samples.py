@@ -8,7 +8,7 @@ workflow latency by 1.3% while its hit rate moved by less than 0.01 (chatdev, de
 1% latency difference from that noise; the mean of several can, and the spread says how wide
 the noise is.
 
-Sample i runs with every tier's capacity scaled by `factor(i)` = 1 + i x STEP, so sample 0 is
+Sample i runs with every tier's capacity (the shared tier's too) scaled by `factor(i)` = 1 + i x STEP, so sample 0 is
 the nominal run (N = 1 is exactly the single run) and no sample drops below a regime's clamp
 (the largest call). The averaged record keeps the nominal capacities and gains `samples` and
 the per-sample range of its speedup over LRU (`speedup_vs_lru_min` / `_max`);
@@ -25,7 +25,7 @@ from dataclasses import replace
 STEP = 0.005       # 0.5% more memory per sample: far above the noise's scale (a few tokens), far
                    # below the steps between regimes (2x and more)
 SAMPLE_KEY = "_sample"
-NOMINAL = ("device_tokens", "host_tokens", "disk_tokens", "pressure")
+NOMINAL = ("device_tokens", "host_tokens", "disk_tokens", "shared_tier_tokens", "pressure")
 
 
 def factor(i: int) -> float:
@@ -33,14 +33,19 @@ def factor(i: int) -> float:
     return 1.0 + STEP * i
 
 
+def tokens(nominal: int, i: int) -> int:
+    """Sample `i`'s size of a tier of `nominal` tokens (rounded: 6000 x 1.005 is 6029.99...)."""
+    return nominal if i == 0 else round(nominal * factor(i))
+
+
 def scaled(run, i: int):
     """`run` (a RunConfig) with every resolved tier capacity scaled by `factor(i)`; sample 0
-    unchanged."""
+    unchanged. The shared tier of several instances scales alike (`tokens`, in `bench.sweep`)."""
     if i == 0:
         return run
-    caps, f = run.capacities(), factor(i)
-    cache = replace(run.cache, device_tokens=int(caps.device * f), host_tokens=int(caps.host * f),
-                    disk_tokens=int(caps.disk * f))
+    caps = run.capacities()
+    cache = replace(run.cache, device_tokens=tokens(caps.device, i), host_tokens=tokens(caps.host, i),
+                    disk_tokens=tokens(caps.disk, i))
     return replace(run, cache=cache)
 
 

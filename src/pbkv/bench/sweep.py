@@ -134,7 +134,8 @@ def _run_one(args: tuple) -> dict:
         from pbkv.bench.cluster_run import simulate_cluster
         from pbkv.scale.links import get_link
         record = simulate_cluster(load_workload(source), run, instances, router, get_link(cfg.link),
-                                  shared_tokens=cfg.shared_tokens, shared_link=get_link(cfg.shared_link))
+                                  shared_tokens=samples_mod.tokens(cfg.shared_tokens, sample),
+                                  shared_link=get_link(cfg.shared_link))
     else:
         record = simulate(load_workload(source), run)
     record.update(workload=source.name, policy=policy, concurrency=concurrency, engine=cfg.engine,
