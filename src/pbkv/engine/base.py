@@ -121,6 +121,9 @@ class EngineBase:
         self._clock = clock
         self._events = EventQueue()
         self._waiting: list[Request] = []
+        # the last admission pass stopped at a request that could not get device space: with
+        # nothing running no event can free any, so the queue's pins are released at once
+        self._blocked = False
         policy.bind(cache, clock)
 
     now: float   # the engine's current time (an attribute or a property of the subclass)

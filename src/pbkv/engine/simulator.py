@@ -57,7 +57,6 @@ class Simulator(EngineBase):
         self._sum_input = 0   # prompt tokens of running requests
         self._sum_join = 0    # decode step at which each running request joined
         self._link_free_at = 0.0
-        self._blocked = False   # the last prefill pass found the queue blocked for memory
         # a decode run ends at the first step reaching `horizon` (`pbkv.scale.cluster` sets it:
         # the earliest moment another instance may send a call here)
         self.horizon = math.inf

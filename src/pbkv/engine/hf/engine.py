@@ -142,6 +142,8 @@ class HFEngine(ExecOps, CacheOps, SharedOps, EngineBase):
             self._decode_step()
         elif self._transfers:
             self._poll_transfers(block=True)
+        elif self._blocked and self._unpin_waiting():
+            pass   # nothing runs or loads, so no event can free memory: do not wait for one
         elif self._events:
             self.clock.skip_to(self._events.next_time())
         elif self._waiting:

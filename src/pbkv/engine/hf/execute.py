@@ -44,7 +44,9 @@ class ExecOps:
 
     def _prefill_next(self) -> bool:
         """Admit and prefill the first admissible waiting request (FCFS, loads skipped); whether
-        one ran. Stops at the first request that cannot get device space (no overtaking)."""
+        one ran. Stops at the first request that cannot get device space (no overtaking), and
+        then sets `_blocked`."""
+        self._blocked = False
         for req in list(self._waiting):
             if req.loading:
                 continue
@@ -52,6 +54,7 @@ class ExecOps:
                 return False
             status, adm = self._admit(req)
             if status == BLOCKED:
+                self._blocked = True
                 return False
             if status == ADMITTED:
                 self._waiting.remove(req)
