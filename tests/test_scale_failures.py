@@ -175,6 +175,37 @@ def test_without_rays_per_replica_step_a_broadcast_uses_the_public_call():
     assert asyncio.run(remote.broadcast(Handle(), "end_workflow", "w")) == [True, False]
 
 
+class FrozenPublicResponse:
+    """The public call with one replica frozen: Ray's all-or-nothing timeout of the whole broadcast."""
+
+    async def results_async(self, timeout_s=None, return_exceptions=False):
+        await asyncio.Event().wait()
+
+
+def test_without_rays_per_replica_step_a_frozen_replica_times_the_whole_broadcast_out(short_timeout, caplog):
+    class Handle:
+        def broadcast(self, method, *args):
+            return FrozenPublicResponse()
+    start = time.monotonic()
+    assert asyncio.run(remote.broadcast(Handle(), "metrics")) == []   # no answer kept: the degraded mode
+    assert time.monotonic() - start < 10 * remote.REPLICA_TIMEOUT_S
+    assert "no engine replica to call metrics on (TimeoutError" in caplog.text
+
+
+@pytest.mark.ray
+def test_rays_broadcast_response_still_has_the_per_replica_step():
+    """`remote._replica_results` uses this private step of Ray 2.60 (no public call waits on each
+    replica on its own): a Ray without it falls back to the public call (tested above); this
+    says when an upgrade removed or changed it."""
+    import inspect
+    handle = pytest.importorskip("ray.serve.handle")
+    replica_result = pytest.importorskip("ray.serve._private.replica_result")
+    step = getattr(handle.DeploymentBroadcastResponse, "_fetch_replica_results_async", None)
+    assert step is not None and inspect.iscoroutinefunction(step)
+    assert list(inspect.signature(step).parameters) == ["self"]
+    assert inspect.iscoroutinefunction(replica_result.ReplicaResult.get_async)
+
+
 def test_health_counts_the_replicas_running_now_without_a_scrape():
     a, b = FakeReplica("a"), FakeReplica("b")
     handle = FakeHandle(a, b)

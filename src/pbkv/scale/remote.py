@@ -62,8 +62,10 @@ def replicas_unavailable() -> APIError:
 async def _replica_results(response) -> list:
     """The broadcast's per-replica results (each has `get_async()`). Ray 2.60's
     `DeploymentBroadcastResponse` has no public way to wait on each replica on its own: this is
-    the step `results_async` takes before it gathers them. A Ray without that step gets the
-    public all-or-nothing call (one frozen replica then times the whole broadcast out)."""
+    the step `results_async` takes before it gathers them (its public `results`/`results_async`
+    take one timeout for all replicas). A Ray without that step gets the public all-or-nothing
+    call: one frozen replica then times the whole broadcast out, which then counts as no answer
+    (tests/test_scale_failures.py tests both paths, and that Ray still has the step)."""
     fetch = getattr(response, "_fetch_replica_results_async", None)
     if fetch is None:
         return [_Done(r) for r in await response.results_async(timeout_s=REPLICA_TIMEOUT_S, return_exceptions=True)]
