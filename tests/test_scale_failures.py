@@ -290,6 +290,42 @@ def test_pbkv_serve_refuses_them_at_start(monkeypatch, args, message):
     assert r.exit_code == 2 and message in " ".join(r.output.replace("│", " ").split()), r.output
 
 
+def test_pbkv_serve_checks_the_layout_once(monkeypatch):
+    """The CLI checks the layout before it imports Ray, and tells `serve_app.run` it did (so
+    `start_ray` does not check it again)."""
+    import sys
+    import types
+
+    from typer.testing import CliRunner
+
+    import pbkv.scale.options as options
+    from pbkv.cli import app
+    checks, runs = [], []
+    monkeypatch.setattr(options, "local_machine", lambda: (2, 0))
+    real = options.check_local
+    monkeypatch.setattr(options, "check_local", lambda *a: checks.append(a) or real(*a))
+    fake = types.ModuleType("pbkv.scale.serve_app")   # no Ray: what the CLI hands to serve_app.run
+    fake.run = lambda cfg, opts, log_level, layout_checked=False: runs.append((opts, layout_checked))
+    monkeypatch.setitem(sys.modules, "pbkv.scale.serve_app", fake)
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2"])
+    assert r.exit_code == 0, r.output
+    [(opts, layout_checked)] = runs
+    assert len(checks) == 1 and layout_checked
+
+
+@pytest.mark.ray
+def test_start_ray_checks_the_layout_unless_its_caller_did(monkeypatch):
+    pytest.importorskip("ray")
+    from pbkv.scale import serve_app
+    checks = []
+    monkeypatch.setattr(serve_app, "local_machine", lambda: (2, 0))
+    monkeypatch.setattr(serve_app, "check_local", lambda *a: checks.append(a))
+    monkeypatch.setattr(serve_app.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(serve_app.ray, "init", lambda **kw: None)
+    assert serve_app.start_ray(ReplicaOptions(), layout_checked=True) and checks == []
+    assert serve_app.start_ray(ReplicaOptions()) and len(checks) == 1   # a direct caller keeps the check
+
+
 # ---------------------------------------------------------------------- a replica's --disk-dir subfolder
 
 def test_a_replica_removes_the_disk_subfolder_it_created(tmp_path):

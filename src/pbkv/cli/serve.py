@@ -119,4 +119,4 @@ def serve(
     except ImportError as e:
         fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
     with exit_on_error():
-        run_replicas(cfg, opts, log_level=log_level)
+        run_replicas(cfg, opts, log_level=log_level, layout_checked=ray_address is None)   # checked above

@@ -59,16 +59,18 @@ def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
         request_router_config=router_cfg, graceful_shutdown_timeout_s=30).bind(cfg)
 
 
-def start_ray(opts: ReplicaOptions, **init_kwargs) -> bool:
+def start_ray(opts: ReplicaOptions, layout_checked: bool = False, **init_kwargs) -> bool:
     """Connect to Ray (join `ray_address`, else start a local one, once `options.check_local`
-    accepts the layout on this machine); True when started here."""
+    accepts the layout on this machine: checked here unless the caller says it did, with
+    `layout_checked`, as `pbkv serve` does before it imports Ray); True when started here."""
     if ray.is_initialized():
         return False
     if opts.ray_address:
         ray.init(address=opts.ray_address, namespace=f"pbkv-{opts.app_name}", **init_kwargs)
         return True
     cores, gpus = local_machine()
-    check_local(opts, cores, gpus)   # before Ray starts: it would wait forever for what it cannot place
+    if not layout_checked:
+        check_local(opts, cores, gpus)   # before Ray starts: it would wait forever for what it cannot place
     cpus = max(cores, int(opts.replicas * opts.replica_cpus + 0.999))
     ray.init(address="local", namespace=f"pbkv-{secrets.token_hex(3)}", num_cpus=cpus,
              include_dashboard=False, **init_kwargs)
@@ -119,12 +121,13 @@ def shutdown(app_name: str, own_ray: bool) -> None:
             ray.shutdown()
 
 
-def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info") -> None:
-    """`pbkv serve --replicas N`: in the foreground until Ctrl-C, then the deployment is deleted."""
+def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info", layout_checked: bool = False) -> None:
+    """`pbkv serve --replicas N`: in the foreground until Ctrl-C, then the deployment is deleted
+    (`layout_checked`: see `start_ray`)."""
     from pbkv.serve.server import check_config, run as run_ingress
     check_config(cfg)
     check_options(opts)
-    own_ray = start_ray(opts)
+    own_ray = start_ray(opts, layout_checked)
     try:
         handle = deploy(cfg, opts)
         state = ingress_state(cfg, handle, opts.replicas)
