@@ -2,11 +2,14 @@
 except the tests marked `ray`): /metrics answers with what the replicas that answered said,
 /v1/workflows/{id}/end answers 503 when none did and never waits on a frozen one, /health counts
 the replicas running at the time of the probe; the layout checks refuse what a local Ray could
-never place; a replica removes the `--disk-dir` subfolder it created."""
+never place; a replica removes the `--disk-dir` subfolder it created, and a new one those of
+replicas killed before their shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -15,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from pbkv.scale import adapter, remote  # noqa: E402
+from pbkv.scale import adapter, disk, remote  # noqa: E402
 from pbkv.scale.ingress import ingress_state  # noqa: E402
 from pbkv.scale.metrics_merge import Merger  # noqa: E402
 from pbkv.scale.options import ReplicaOptions, check_local, gpus_needed  # noqa: E402
@@ -334,18 +337,81 @@ def test_a_replica_removes_the_disk_subfolder_it_created(tmp_path):
     from pbkv.cache import CacheConfig
     from pbkv.scale.replica import start_engine, stop_engine
     cfg = ServeConfig(model="tiny", online=False, cache=CacheConfig(device_tokens=4096, disk_dir=str(tmp_path)))
-    state, created = start_engine(cfg, "r1")
-    assert created == str(tmp_path / "replica-r1") and any((tmp_path / "replica-r1").iterdir())
-    stop_engine(state, created)
+    state, own = start_engine(cfg, "r1")
+    assert own.path == str(tmp_path / "replica-r1") and any((tmp_path / "replica-r1").iterdir())
+    assert (tmp_path / "replica-r1.lock").is_file()        # its claim, for the life of the replica
+    stop_engine(state, own)
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "replica-r2").mkdir()                       # there before: not pbkv's to remove
-    state, created = start_engine(cfg, "r2")
-    stop_engine(state, created)
-    assert created is None and (tmp_path / "replica-r2").is_dir()
+    state, own = start_engine(cfg, "r2")
+    stop_engine(state, own)
+    assert own is None and (tmp_path / "replica-r2").is_dir()
+    assert disk.sweep(str(tmp_path)) == [] and (tmp_path / "replica-r2").is_dir()   # no claim: never swept
     no_disk = dataclasses.replace(cfg, cache=CacheConfig(device_tokens=4096))
-    state, created = start_engine(no_disk, "r3")
-    stop_engine(state, created)
-    assert created is None
+    state, own = start_engine(no_disk, "r3")
+    stop_engine(state, own)
+    assert own is None
+
+
+CLAIM_AND_HANG = """
+import os, sys
+from pbkv.scale import disk
+fd = disk.claim(sys.argv[1], sys.argv[2])
+os.makedirs(os.path.join(disk.folder(sys.argv[1], sys.argv[2]), "store"))
+open(os.path.join(disk.folder(sys.argv[1], sys.argv[2]), "store", "block.kv"), "wb").write(b"x" * 4096)
+print("claimed", flush=True)
+sys.stdin.read()   # until killed
+"""
+
+
+def _killed_owner(parent, replica_id: str) -> None:
+    """A replica process that claimed and filled its subfolder, then was SIGKILLed."""
+    import signal
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", CLAIM_AND_HANG, str(parent), replica_id],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"claimed\n"
+    assert disk.sweep(str(parent)) == []                   # alive: its lock is held, nothing removed
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdin.close()
+    proc.stdout.close()
+
+
+def test_a_new_replica_removes_the_subfolder_of_one_killed_before_its_shutdown(tmp_path):
+    from pbkv.cache import CacheConfig
+    from pbkv.scale.replica import start_engine, stop_engine
+    _killed_owner(tmp_path, "dead")
+    assert (tmp_path / "replica-dead" / "store" / "block.kv").is_file()   # left behind by the kill
+    live = disk.claim(str(tmp_path), "live")                # a running replica (this process holds its lock)
+    (tmp_path / "replica-live").mkdir()
+    cfg = ServeConfig(model="tiny", online=False, cache=CacheConfig(device_tokens=4096, disk_dir=str(tmp_path)))
+    state, own = start_engine(cfg, "new")
+    try:
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == ["replica-live", "replica-live.lock", "replica-new", "replica-new.lock"], names
+    finally:
+        stop_engine(state, own)
+        disk.release(str(tmp_path), "live", live)
+
+
+def test_a_sweep_is_bounded_and_leaves_other_hosts_and_foreign_folders(tmp_path, caplog):
+    import logging
+    for i in range(5):
+        (tmp_path / f"replica-gone{i}").mkdir()
+        (tmp_path / f"replica-gone{i}.lock").write_text(f"{socket.gethostname()} 1\n")   # owner gone
+    (tmp_path / "replica-far").mkdir()
+    (tmp_path / "replica-far.lock").write_text("another-node 7\n")   # its lock may live on another node
+    (tmp_path / "replica-old").mkdir()                               # no claim: not made by this code
+    with caplog.at_level(logging.INFO, logger="pbkv.scale"):
+        assert [os.path.basename(p) for p in disk.sweep(str(tmp_path), limit=3)] == [
+            "replica-gone0", "replica-gone1", "replica-gone2"]
+    assert "removed " + str(tmp_path / "replica-gone0") in caplog.text
+    assert "the rest wait for the next replica start" in caplog.text
+    assert len(disk.sweep(str(tmp_path))) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["replica-far", "replica-far.lock", "replica-old"]
+    assert disk.sweep(str(tmp_path / "missing")) == []      # no disk dir yet: nothing to do, no error
 
 
 # ---------------------------------------------------------------------- for real: a local Ray, one replica

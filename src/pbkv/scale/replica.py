@@ -29,7 +29,9 @@ point of the shared tier: a call routed to replica B loads the prefix A computed
 `--disk-dir` is private to one engine (its files are named by a per-process counter), so each
 replica gets its own subfolder of it, `replica-<id>`; the engine's store removes its own folder
 inside it at shutdown, and the replica then removes `replica-<id>` when it created it and it is
-empty (`start_engine`, `stop_engine`).
+empty (`start_engine`, `stop_engine`). A replica killed before its shutdown cannot: each replica
+holds a lock on `replica-<id>.lock` for its life, and each new replica first removes the
+subfolders whose lock nobody holds (`pbkv.scale.disk`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import os
 import time
 
 from pbkv.engine.hf.peer import fetch_start
+from pbkv.scale import disk
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
 from pbkv.serve.jobs import Done, Job
@@ -58,29 +61,58 @@ def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=disk))
 
 
+@dataclasses.dataclass
+class OwnDisk:
+    """The `--disk-dir` subfolder a replica created, and its claim on it (`pbkv.scale.disk`)."""
+    parent: str
+    replica_id: str
+    lock_fd: int
+
+    @property
+    def path(self) -> str:
+        return disk.folder(self.parent, self.replica_id)
+
+
 def start_engine(cfg: ServeConfig, replica_id: str):
-    """(the replica's `ServerState`, the folder it created for its disk tier or None): the folder
-    is `replica_config`'s subfolder of `disk_dir` when it did not exist before (only what pbkv
-    created is removed, by `stop_engine`)."""
+    """(the replica's `ServerState`, its `OwnDisk` or None). With a `disk_dir`: first the
+    subfolders of replicas gone without their shutdown are removed (`disk.sweep`), then, when
+    `replica_config`'s subfolder does not exist yet, this replica claims it before the engine
+    creates it (only what pbkv created is ever removed: by `stop_engine`, or by a later sweep)."""
     own = replica_config(cfg, replica_id)
-    disk = own.cache.disk_dir if own is not cfg else None
-    created = disk if disk is not None and not os.path.exists(disk) else None
-    return build_state(own), created
+    if own is cfg:
+        return build_state(own), None
+    parent = cfg.cache.disk_dir
+    disk.sweep(parent)
+    mine = None
+    if not os.path.exists(own.cache.disk_dir):
+        mine = OwnDisk(parent, replica_id, disk.claim(parent, replica_id))
+    try:
+        return build_state(own), mine
+    except BaseException:
+        _remove_own(mine)
+        raise
 
 
-def stop_engine(state, created: str | None) -> None:
+def stop_engine(state, mine: OwnDisk | None) -> None:
     """The single-process shutdown (engine thread stopped, every workflow ended, the predictor
-    saved, the engine closed, which removes its disk folder), then `created` if it is empty."""
+    saved, the engine closed, which removes its disk folder), then the replica's subfolder if it
+    is empty, and its claim."""
     for fn in getattr(state, "on_shutdown", ()):
         try:
             fn()
         except Exception:  # noqa: BLE001 - run every shutdown step
             log.exception("replica shutdown step failed")
-    if created is not None:
-        try:
-            os.rmdir(created)
-        except OSError:   # not empty (files put there by someone else) or already gone: left as is
-            pass
+    _remove_own(mine)
+
+
+def _remove_own(mine: OwnDisk | None) -> None:
+    if mine is None:
+        return
+    try:
+        os.rmdir(mine.path)
+    except OSError:   # not empty (files put there by someone else) or never made: left as is
+        pass
+    disk.release(mine.parent, mine.replica_id, mine.lock_fd)
 
 
 def cache_stats(engine, table, load: float, replica_id: str, fetch_s_per_token: float | None = None) -> dict:
@@ -115,7 +147,7 @@ class EngineReplica:
     def __init__(self, cfg: ServeConfig):
         from ray import serve   # here, so `cache_stats` imports without Ray
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.state, self.created_dir = start_engine(cfg, self.id)
+        self.state, self.own_disk = start_engine(cfg, self.id)
         self.seq = 0
         self._peers = None   # the deployment's handle, to ask another replica for KV
         self.fetch_s_per_token = None   # measured over this replica's fetches (running mean)
@@ -224,4 +256,4 @@ class EngineReplica:
     def __del__(self):
         """Ray Serve's graceful stop: `stop_engine` (nothing when the constructor failed early)."""
         if hasattr(self, "state"):
-            stop_engine(self.state, getattr(self, "created_dir", None))
+            stop_engine(self.state, getattr(self, "own_disk", None))
