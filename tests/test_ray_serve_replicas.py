@@ -242,6 +242,75 @@ def test_a_replica_killed_mid_run_loses_only_its_streams_already_sending(servers
     _wait_for_restart(scaled.url)
 
 
+def _freeze(replica: str, how: str) -> int:
+    """Freeze `replica`: its whole process (SIGSTOP) or only its engine thread (blocked in a command,
+    reached through Ray's `__ray_call__` and Serve's replica internals: test-only); its pid."""
+    import signal
+    import time
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True)
+              if a["name"].endswith(f"#{replica}") and "PBKVEngine" in a["name"]]
+    actor = ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    if how == "sigstop":
+        os.kill(pid, signal.SIGSTOP)
+    else:
+        ray.get(actor.__ray_call__.remote(lambda self: self._replica_impl._user_callable_wrapper.user_callable
+                                          .state.worker.call(lambda: time.sleep(3600)) and None))
+    return pid
+
+
+@pytest.mark.parametrize("how", ["sigstop", "stuck-engine"])
+def test_a_frozen_replica_is_replaced_within_seconds_and_its_calls_fail_over(servers, how):
+    """Ray's health check (every 2 s, 3 s to answer; a stuck engine thread fails it) stops the
+    frozen replica after 3 failed checks: its calls not yet sending text are answered by the other
+    replica, a stream already sending ends with replica_failed; ~12 s, not Ray's default ~130 s."""
+    import signal
+    import time
+    single, scaled = servers
+    before = _metrics(scaled.url)
+    out, started, seen = {}, [asyncio.Event() for _ in range(2)], {}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=scaled.url, headers=AUTH, timeout=300) as http:
+            calls = [asyncio.ensure_future(_plain(http, i, out)) for i in range(2)]
+            calls += [asyncio.ensure_future(_streamed(http, i, out, started[i])) for i in range(2)]
+            await asyncio.gather(*(e.wait() for e in started))
+            while True:
+                m = parse((await http.get("/metrics")).text)
+                if m["pbkv_in_flight_requests"] == 4:
+                    break
+            per = _per_replica(m, "pbkv_in_flight_requests")
+            seen["victim"] = victim = max(sorted(per), key=per.get)
+            seen["in_flight"] = per[victim]
+            seen["pid"] = _freeze(victim, how)
+            start = time.monotonic()
+            await asyncio.gather(*calls)
+            seen["answered_s"] = time.monotonic() - start
+    try:
+        asyncio.run(main())
+    finally:
+        try:
+            os.kill(seen["pid"], signal.SIGCONT)   # if Ray has not killed it (a failed run)
+        except (KeyError, ProcessLookupError):
+            pass
+    after = _metrics(scaled.url)
+    failed = after["pbkv_replica_failed_requests_total"] - before["pbkv_replica_failed_requests_total"]
+    retried = after["pbkv_replica_retried_requests_total"] - before["pbkv_replica_retried_requests_total"]
+    assert seen["in_flight"] >= 1 and failed + retried == seen["in_flight"], (failed, retried, seen)
+    assert seen["answered_s"] < 45, seen   # detection ~11 s + the retried calls' own time on a busy machine
+    broken = [k for k, (text, error) in out.items() if k[0] == "stream" and error is not None]
+    assert len(broken) == failed and all(out[k][1]["code"] == "replica_failed" for k in broken), out
+    want = asyncio.run(_one_process(single.url, [f"long {kind} {i}" for kind, i in out]))
+    for ((kind, i), value), text in zip(out.items(), want):
+        if kind == "plain":
+            assert value[0] == 200 and value[1]["choices"][0]["text"] == text, i
+        elif value[1] is None:
+            assert value[0] == text, i
+    print(f"{how}: {seen['victim']} with {seen['in_flight']} calls in flight, every call answered "
+          f"{seen['answered_s']:.1f} s after the freeze: {retried} retried, {failed} failed")
+    _wait_for_restart(scaled.url)
+
+
 @pytest.fixture(scope="module")
 def peer(servers):
     """A third app: 2 replicas behind the pbkv router, no shared directory, a queued request

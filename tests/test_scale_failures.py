@@ -293,9 +293,9 @@ def test_pbkv_serve_refuses_them_at_start(monkeypatch, args, message):
     assert r.exit_code == 2 and message in " ".join(r.output.replace("│", " ").split()), r.output
 
 
-def test_pbkv_serve_checks_the_layout_once(monkeypatch):
+def test_pbkv_serve_checks_the_layout_once_and_passes_the_health_options(monkeypatch):
     """The CLI checks the layout before it imports Ray, and tells `serve_app.run` it did (so
-    `start_ray` does not check it again)."""
+    `start_ray` does not check it again); the health options reach `ReplicaOptions`."""
     import sys
     import types
 
@@ -310,10 +310,19 @@ def test_pbkv_serve_checks_the_layout_once(monkeypatch):
     fake = types.ModuleType("pbkv.scale.serve_app")   # no Ray: what the CLI hands to serve_app.run
     fake.run = lambda cfg, opts, log_level, layout_checked=False: runs.append((opts, layout_checked))
     monkeypatch.setitem(sys.modules, "pbkv.scale.serve_app", fake)
-    r = CliRunner().invoke(app, ["serve", "--replicas", "2"])
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--health-check-period", "1.5",
+                                 "--health-check-timeout", "2", "--engine-stall", "5"])
     assert r.exit_code == 0, r.output
     [(opts, layout_checked)] = runs
     assert len(checks) == 1 and layout_checked
+    assert (opts.health_check_period_s, opts.health_check_timeout_s, opts.engine_stall_s) == (1.5, 2, 5)
+
+
+@pytest.mark.parametrize("field", ["health_check_period_s", "health_check_timeout_s", "engine_stall_s"])
+def test_health_options_must_be_positive(field):
+    from pbkv.scale.options import check_options
+    with pytest.raises(ValueError, match=f"--{field[:-2].replace('_', '-')} must be > 0"):
+        check_options(ReplicaOptions(**{field: 0}))
 
 
 @pytest.mark.ray
@@ -325,8 +334,25 @@ def test_start_ray_checks_the_layout_unless_its_caller_did(monkeypatch):
     monkeypatch.setattr(serve_app, "check_local", lambda *a: checks.append(a))
     monkeypatch.setattr(serve_app.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(serve_app.ray, "init", lambda **kw: None)
+    monkeypatch.delenv(serve_app.FORCE_STOP_ENV, raising=False)
     assert serve_app.start_ray(ReplicaOptions(), layout_checked=True) and checks == []
+    assert os.environ[serve_app.FORCE_STOP_ENV] == "1"   # a local Ray stops an unhealthy replica at once
     assert serve_app.start_ray(ReplicaOptions()) and len(checks) == 1   # a direct caller keeps the check
+    monkeypatch.setenv(serve_app.FORCE_STOP_ENV, "0")
+    serve_app.start_ray(ReplicaOptions())
+    assert os.environ[serve_app.FORCE_STOP_ENV] == "0"   # the operator's own setting wins
+
+
+@pytest.mark.ray
+def test_the_deployment_gets_the_health_options():
+    pytest.importorskip("ray")
+    from pbkv.scale.serve_app import engine_app
+    app = engine_app(ServeConfig(model="tiny"), ReplicaOptions(health_check_period_s=1.5, health_check_timeout_s=2.5,
+                                                               engine_stall_s=4))
+    deployment = app._bound_deployment
+    config = deployment._deployment_config
+    assert (config.health_check_period_s, config.health_check_timeout_s) == (1.5, 2.5)
+    assert deployment.init_args[1:] == (4,)   # EngineReplica's engine_stall_s
 
 
 # ---------------------------------------------------------------------- a replica's --disk-dir subfolder

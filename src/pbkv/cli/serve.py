@@ -71,6 +71,15 @@ def serve(
     measured_costs: Annotated[bool, typer.Option(help="With --replicas > 1: the router weighs the prefill and "
                                                  "KV-transfer costs the replicas measure and report, instead of "
                                                  "fixed estimates (CPU costs without CUDA, GPU defaults with).")] = False,
+    health_check_period: Annotated[float, typer.Option(help="With --replicas > 1: seconds between Ray's health checks "
+                                                       "of each replica.", min=0.001)] = 2.0,
+    health_check_timeout: Annotated[float, typer.Option(help="With --replicas > 1: a replica that has not answered a "
+                                                        "health check within this many seconds (a frozen process) "
+                                                        "failed it; 3 failures in a row and Ray replaces it, its "
+                                                        "calls go to another replica.", min=0.001)] = 3.0,
+    engine_stall: Annotated[float, typer.Option(help="With --replicas > 1: a replica whose engine thread has left "
+                                                "work unanswered this many seconds (stuck) fails its health "
+                                                "checks.", min=0.001)] = 8.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
 ):
     """An OpenAI-compatible server (/v1/chat/completions, /v1/completions, /metrics) on the real
@@ -109,7 +118,9 @@ def serve(
         return
     from pbkv.scale.options import ReplicaOptions, check_local, check_options, local_machine
     opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
-                          replica_gpus=replica_gpus, measured_costs=measured_costs)
+                          replica_gpus=replica_gpus, measured_costs=measured_costs,
+                          health_check_period_s=health_check_period, health_check_timeout_s=health_check_timeout,
+                          engine_stall_s=engine_stall)
     with exit_on_error():
         check_options(opts)          # before the Ray import: a bad option is refused with or without Ray
         if ray_address is None:

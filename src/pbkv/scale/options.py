@@ -25,6 +25,12 @@ class ReplicaOptions:
     measured_costs: bool = False        # the router's prefill/transfer costs follow the replicas' reports
     replica_cpus: float = 1.0           # Ray CPUs reserved per replica
     replica_gpus: float = 0.0
+    # a frozen or stuck replica is stopped (and its calls retried) about `period + 3 x timeout`
+    # after its last good check (Ray fails it after 3 checks in a row): ~11 s by default, where
+    # Ray's own defaults (10 s, 30 s, then a 30 s graceful stop) take ~130 s
+    health_check_period_s: float = 2.0  # how often Ray's controller calls each replica's check_health
+    health_check_timeout_s: float = 3.0  # a check not answered by then failed (a SIGSTOPped process)
+    engine_stall_s: float = 8.0         # check_health fails once the engine thread left work unanswered this long
 
 
 def check_options(opts: ReplicaOptions) -> None:
@@ -33,6 +39,9 @@ def check_options(opts: ReplicaOptions) -> None:
     router_class(opts.router)
     if opts.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {opts.replicas}")
+    for name in ("health_check_period_s", "health_check_timeout_s", "engine_stall_s"):
+        if not getattr(opts, name) > 0:
+            raise ValueError(f"--{name[:-2].replace('_', '-')} must be > 0, got {getattr(opts, name)}")
     if (opts.ray_address or "").startswith("ray://"):
         raise ValueError(f"--ray-address {opts.ray_address}: Ray Client (ray://) cannot stream from deployments, "
                          f"which every call does; run pbkv serve on a node of the cluster with --ray-address auto")

@@ -32,6 +32,10 @@ inside it at shutdown, and the replica then removes `replica-<id>` when it creat
 empty (`start_engine`, `stop_engine`). A replica killed before its shutdown cannot: each replica
 holds a lock on `replica-<id>.lock` for its life, and each new replica first removes the
 subfolders whose lock nobody holds (`pbkv.scale.disk`).
+
+Health (`check_health`, called by Ray's controller every `health_check_period_s`): it raises
+while the engine thread is dead or stuck (`pbkv.scale.health.EngineWatch`), so Ray replaces a
+replica whose event loop still answers but whose calls never would.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import time
 
 from pbkv.engine.hf.peer import fetch_start
 from pbkv.scale import disk
+from pbkv.scale.health import EngineWatch
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
 from pbkv.serve.jobs import Done, Job
@@ -57,8 +62,8 @@ def replica_config(cfg: ServeConfig, replica_id: str) -> ServeConfig:
     """`cfg` for one replica: the same shared directory, its own subfolder of `disk_dir`."""
     if not cfg.cache.disk_dir:
         return cfg
-    disk = os.path.join(cfg.cache.disk_dir, f"replica-{replica_id}")
-    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=disk))
+    own = disk.folder(cfg.cache.disk_dir, replica_id)
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=own))
 
 
 @dataclasses.dataclass
@@ -144,13 +149,19 @@ def cache_stats(engine, table, load: float, replica_id: str, fetch_s_per_token: 
 class EngineReplica:
     """The deployment's class (`serve_app.engine_deployment` wraps it in `serve.deployment`)."""
 
-    def __init__(self, cfg: ServeConfig):
+    def __init__(self, cfg: ServeConfig, engine_stall_s: float = 8.0):
         from ray import serve   # here, so `cache_stats` imports without Ray
         self.id = serve.get_replica_context().replica_id.unique_id
         self.state, self.own_disk = start_engine(cfg, self.id)
+        self.watch = EngineWatch(self.state.worker, engine_stall_s)
         self.seq = 0
         self._peers = None   # the deployment's handle, to ask another replica for KV
         self.fetch_s_per_token = None   # measured over this replica's fetches (running mean)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raises while the engine thread is dead or stuck (`EngineWatch`).
+        Not async on purpose: it never waits, so it answers even while the engine is busy."""
+        self.watch.check()
 
     # ------------------------------------------------------------------ the router's view
 

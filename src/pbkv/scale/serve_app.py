@@ -17,11 +17,19 @@ so nothing else binds a port), and tokenizing is cheap next to generation.
 Ray: a local one (`ray.init(address="local")`) unless `ray_address` names a cluster to join
 (`auto`, or its GCS address, from a node of the cluster: Ray Client `ray://` addresses cannot
 stream from deployments, so they are refused); pbkv must be importable on its nodes.
+
+A frozen or stuck replica: Ray's controller calls each replica's `check_health` every
+`health_check_period_s` (a stuck engine thread makes it raise: `pbkv.scale.health`; a frozen
+process does not answer within `health_check_timeout_s`) and stops it after 3 failures in a row;
+a local Ray started here force-stops it (`RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS=1`: the
+graceful stop would wait `graceful_shutdown_timeout_s` for calls that will never end), so its
+calls fail over about `period + 3 x timeout` after its last good check.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 
 import ray
@@ -36,6 +44,7 @@ from pbkv.serve.server import ServeConfig
 
 log = logging.getLogger("pbkv.scale")
 DEPLOYMENT = "PBKVEngine"
+FORCE_STOP_ENV = "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS"   # read by Ray Serve's controller at import
 
 
 def default_router_config() -> dict:
@@ -56,7 +65,9 @@ def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
     return deployment.options(
         num_replicas=opts.replicas, max_ongoing_requests=cfg.max_queue + 64,   # the ingress bounds the queue
         ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
-        request_router_config=router_cfg, graceful_shutdown_timeout_s=30).bind(cfg)
+        request_router_config=router_cfg, graceful_shutdown_timeout_s=30,
+        health_check_period_s=opts.health_check_period_s,
+        health_check_timeout_s=opts.health_check_timeout_s).bind(cfg, opts.engine_stall_s)
 
 
 def start_ray(opts: ReplicaOptions, layout_checked: bool = False, **init_kwargs) -> bool:
@@ -72,6 +83,8 @@ def start_ray(opts: ReplicaOptions, layout_checked: bool = False, **init_kwargs)
     if not layout_checked:
         check_local(opts, cores, gpus)   # before Ray starts: it would wait forever for what it cannot place
     cpus = max(cores, int(opts.replicas * opts.replica_cpus + 0.999))
+    # Ray's processes inherit this process's environment: an operator's own setting wins
+    os.environ.setdefault(FORCE_STOP_ENV, "1")
     ray.init(address="local", namespace=f"pbkv-{secrets.token_hex(3)}", num_cpus=cpus,
              include_dashboard=False, **init_kwargs)
     return True
