@@ -68,7 +68,7 @@ def sweep(disk_dir: str, limit: int = MAX_SWEEP) -> list[str]:
     removed = []
     for name in names:
         if len(removed) >= limit:
-            log.info("%s: removed %d stale replica folders; the rest wait for the next replica start",
+            log.warning("%s: removed %d stale replica folders; the rest wait for the next replica start",
                      disk_dir, limit)
             break
         path = os.path.join(disk_dir, name)
@@ -97,7 +97,8 @@ def _remove_if_orphan(lock_path: str) -> bool:
         if os.path.isdir(target):
             shutil.rmtree(target)
         os.unlink(lock_path)
-        log.info("removed %s: its replica is gone (killed before its shutdown)", target)
+        # a warning, not info: Ray workers show warnings by default, and it means a replica was killed
+        log.warning("removed %s: its replica is gone (killed before its shutdown)", target)
         return True
     finally:
         os.close(fd)
