@@ -49,6 +49,7 @@ import time
 from pbkv.engine.hf.peer import fetch_start
 from pbkv.scale import disk
 from pbkv.scale.health import EngineWatch
+from pbkv.scale.options import ReplicaOptions
 from pbkv.route import ReplicaSnapshot
 from pbkv.serve.gauges import TIERS, engine_snapshot
 from pbkv.serve.jobs import Done, Job
@@ -149,7 +150,7 @@ def cache_stats(engine, table, load: float, replica_id: str, fetch_s_per_token: 
 class EngineReplica:
     """The deployment's class (`serve_app.engine_deployment` wraps it in `serve.deployment`)."""
 
-    def __init__(self, cfg: ServeConfig, engine_stall_s: float = 8.0):
+    def __init__(self, cfg: ServeConfig, engine_stall_s: float = ReplicaOptions.engine_stall_s):
         from ray import serve   # here, so `cache_stats` imports without Ray
         self.id = serve.get_replica_context().replica_id.unique_id
         self.state, self.own_disk = start_engine(cfg, self.id)
