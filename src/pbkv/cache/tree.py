@@ -14,7 +14,9 @@ Primitives:
 - `touch(node, now, workflow, agent)`: record an access on a path (time and tags);
 - `end_workflow(workflow)`: forget an ended workflow's tags (its private nodes become retired);
 - `remove(node)`: delete a node without children.
-Callbacks (`on_lock_change`, `on_split`) let the capacity layer keep its counters exact.
+Callbacks (`on_lock_change`, `on_split`) let the capacity layer keep its counters exact;
+`on_remove` lets a policy's index learn of nodes leaving the tree (a dropped subtree's nodes
+are removed without an eviction event each).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ class RadixTree:
         self.on_lock_change: Callable[[Node, int], None] = lambda node, delta: None
         # Hook for the capacity layer: `split` created this new upper node (tokens unchanged).
         self.on_split: Callable[[Node], None] = lambda upper: None
+        # Hook for indexes over nodes (`retired_space.py`): `remove` took this node out.
+        self.on_remove: Callable[[Node], None] = lambda node: None
 
     # ------------------------------------------------------------------ lookup
 
@@ -147,6 +151,7 @@ class RadixTree:
             del index[b]
         node.alive = False
         node.parent = None
+        self.on_remove(node)
 
     # ------------------------------------------------------------------ locks and tags
 

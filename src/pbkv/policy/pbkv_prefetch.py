@@ -12,14 +12,15 @@ Two kinds of load, the certain ones first:
 - *speculative* loads: nodes evicted below the device (`offloaded`) that an active workflow
   tagged or that are common, valued by `value`: the one-step reuse value (`reuse_score.py`)
   times, for a private node, its staleness (`staleness.py`: the next call may be its agent's yet
-  not read this cache). Space: free device tokens plus retired device nodes (`retired`: cache
-  private to workflows that all ended), so a prediction never displaces cache an active
+  not read this cache). Space: free device tokens plus retired device nodes (`retired`,
+  `retired_space.py`: cache private to workflows that all ended), so a prediction never displaces cache an active
   workflow may use; the choice within that space and the link's budget is
   `conservative_prefetch.plan`.
 
 Invariant: `plan` counts only nodes that qualify when it runs: a node in `retired` was a retired
 device node when added and one in `offloaded` was evicted below the device; each is re-checked
-when a scan meets it (dropped, loaded back, locked or no longer retired nodes are removed then).
+when a scan meets it (dropped, loaded back, locked or no longer retired nodes are removed then;
+`retired` re-checks only the nodes an event may have changed since its last reading).
 An offloaded node the scan finds untagged and not common is parked in `dormant` (most offloaded
 nodes are retired cache, and the scan runs at every decode-only batch): untagged, its
 `seen_workflows` cannot grow and the common threshold never falls, so it cannot qualify until a
@@ -38,6 +39,7 @@ from itertools import islice
 from pbkv.cache import Node, Tier
 from pbkv.policy import conservative_prefetch
 from pbkv.policy.base import PrefetchRequest
+from pbkv.policy.retired_space import RetiredSpace
 from pbkv.policy.reuse_score import ReuseScores
 from pbkv.policy.staleness import Staleness
 
@@ -46,7 +48,7 @@ class PrefetchCandidates:
     def __init__(self, scores: ReuseScores, stale: Staleness, version: dict[int, int]):
         self.scores, self.stale = scores, stale
         self.version = version                   # workflow -> count of its predictions (memo stamp)
-        self.retired: dict[int, Node] = {}       # device nodes that retired (prefetch space)
+        self.retired = RetiredSpace(scores)      # device nodes that retired (prefetch space)
         self.offloaded: dict[int, Node] = {}     # nodes evicted below the device
         self.dormant: dict[int, Node] = {}       # offloaded nodes found untagged and not common
         self.swept = 0                           # len(dormant) after its last sweep
@@ -58,6 +60,7 @@ class PrefetchCandidates:
     def bind(self, tree) -> None:
         """Read the tags of `tree` (the cache's radix tree): new tags wake dormant nodes."""
         self.tags = tree.workflow_nodes
+        self.retired.bind(tree)
 
     def arrived(self, workflow: int, now: float, node: Node) -> None:
         """A call of `workflow` arrived; `node` is the deepest cached node of its prompt (the
@@ -93,7 +96,7 @@ class PrefetchCandidates:
         return min(waiting.values()) if waiting else None
 
     def evicted(self, node: Node, dst: Tier | None) -> None:
-        self.retired.pop(node.id, None)
+        self.retired.drop(node)
         if dst is not None and node.alive:
             self.dormant.pop(node.id, None)
             self.offloaded[node.id] = node
@@ -103,6 +106,7 @@ class PrefetchCandidates:
         (its tag counted it in `seen_workflows`, and the tree no longer lists it under the
         workflow for `_wake` to find)."""
         self.marks.pop(workflow, None)
+        self.retired.ended(workflow, nodes)
         dormant = self.dormant
         if dormant:
             for node in nodes:
@@ -111,7 +115,7 @@ class PrefetchCandidates:
 
     def retire(self, node: Node) -> None:
         """`node`, on the device, is now private to ended workflows only."""
-        self.retired[node.id] = node
+        self.retired.add(node)
 
     def plan(self, request: PrefetchRequest) -> list[Node]:
         """Nodes to load now: queued prefixes (`waiting`), then speculative loads, best value
@@ -192,15 +196,5 @@ class PrefetchCandidates:
         return memo[1]
 
     def retired_device_tokens(self) -> int:
-        total, gone, common = 0, [], self.scores.common_threshold()
-        device = Tier.DEVICE                     # a local: an enum member lookup per node costs more than the test
-        for node_id, node in self.retired.items():
-            # `scores.is_retired`, inlined: the scan runs at every decode-only batch
-            if (node.alive and node.tier == device and node.lock == 0 and node.seen_workflows > 0
-                    and not node.wf_agents and node.seen_workflows < common):
-                total += node.tokens
-            else:
-                gone.append(node_id)
-        for node_id in gone:
-            del self.retired[node_id]
-        return total
+        """Device tokens of the retired nodes that still qualify (`RetiredSpace.tokens`)."""
+        return self.retired.tokens()

@@ -60,25 +60,48 @@ class QualityMonitor:
         self.retired_threshold = retired_threshold
         self.total = 0
         self._means: dict[tuple[int, int], float] = {}
+        # Running counts, kept on append (a reading is taken per ranked node: a scan of the
+        # window each time was policy time). Invariant: hits[c] == sum(o[c] for o in outcomes)
+        # for the two boolean columns c in (0, 1), and retired_hits == sum(retired); integers,
+        # so the means read from them equal the scanned ones exactly.
+        self.hits = [0, 0]
+        self.retired_hits = 0
 
     def record(self, current: str, predicted: dict[str, float], actual: str) -> None:
         """`predicted`: the predictor's next-event distribution (agents and END) made at the
         call of `current`; `actual`: the next agent, or END."""
         base = self.baseline.distribution(current)
-        self.outcomes.append((_top(predicted) == actual, _top(base) == actual,
-                              -math.log(max(predicted.get(actual, 0.0), 1e-6)),
-                              -math.log(max(base.get(actual, 0.0), 1e-6))))
+        outcome = (_top(predicted) == actual, _top(base) == actual,
+                   -math.log(max(predicted.get(actual, 0.0), 1e-6)),
+                   -math.log(max(base.get(actual, 0.0), 1e-6)))
+        outcomes = self.outcomes
+        if len(outcomes) == outcomes.maxlen:
+            oldest = outcomes[0]                 # the append below pushes it out of the window
+            self.hits[0] -= oldest[0]
+            self.hits[1] -= oldest[1]
+        outcomes.append(outcome)
+        self.hits[0] += outcome[0]
+        self.hits[1] += outcome[1]
         self.baseline.observe(current, actual)
         self.total += 1
 
     def record_match(self, retired_tokens: int) -> None:
         """A call arrived; `retired_tokens` of its cached prefix sit in retired nodes."""
-        self.retired.append(retired_tokens > 0)
+        retired = self.retired
+        if len(retired) == retired.maxlen:
+            self.retired_hits -= retired[0]      # pushed out by the append below
+        reused = retired_tokens > 0
+        retired.append(reused)
+        self.retired_hits += reused
 
     # ------------------------------------------------------------------ readings
 
     def _mean(self, column: int) -> float:
-        """Mean of one column over the window (memoised until the next outcome)."""
+        """Mean of one column over the window: the boolean columns from the running `hits`
+        (int / int, as the scan's sum of bools), the log-losses scanned (a running float sum
+        would round differently) and memoised until the next outcome."""
+        if column < 2:
+            return self.hits[column] / max(1, len(self.outcomes))
         key = (self.total, column)
         if key not in self._means:
             if len(self._means) > 8:
@@ -111,7 +134,7 @@ class QualityMonitor:
 
     @property
     def retired_reuse(self) -> float:
-        return sum(self.retired) / len(self.retired) if self.retired else 0.0
+        return self.retired_hits / len(self.retired) if self.retired else 0.0
 
     @property
     def retired_first(self) -> bool:
