@@ -126,7 +126,8 @@ class Featurizer:
         off, m = classes * (c.max_count + 1), c.max_count
         if c.thermometer:
             # "visited >= j times" for every j <= count: loop exits compare counts with a threshold
-            state = [k * (m + 1) + j if j <= min(v, m) else self.state_size for k, v in enumerate(counts)
+            pad = self.state_size                # read once: a property, asked per entry it cost a call each
+            state = [k * (m + 1) + j if j <= min(v, m) else pad for k, v in enumerate(counts)
                      for j in range(m + 1)]
         else:
             state = [k * (m + 1) + min(v, m) for k, v in enumerate(counts)]
