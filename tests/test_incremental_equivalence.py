@@ -1,6 +1,7 @@
-"""Incremental bookkeeping agrees with the plain scans it replaces, on randomised runs:
-`RetiredSpace` (pbkv's retired device tokens, checked only where an event may have changed a
-member) and `QualityMonitor`'s running counts (means of its windows)."""
+"""Incremental bookkeeping and faster sums agree with the plain computations they replace, on
+randomised runs: `RetiredSpace` (pbkv's retired device tokens, checked only where an event may
+have changed a member), `QualityMonitor`'s running counts (means of its windows) and
+`reader_shares` (bit for bit)."""
 
 import math
 import random
@@ -9,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from pbkv.cache import RadixTree, Tier
 from pbkv.predict.monitor import QualityMonitor
+from pbkv.policy.next_use import reader_shares
 from pbkv.policy.retired_space import RetiredSpace
 from pbkv.policy.reuse_score import ReuseScores
 
@@ -131,3 +133,19 @@ def test_monitor_running_counts_agree_with_a_scan_of_the_window(seed, window, re
                            min(1.0, max(0.0, 1.0 + (_plain_means(m)[0] - _plain_means(m)[1]) / m.margin)))
     if m.outcomes:
         assert math.isclose(m.log_loss, sum(o[2] for o in m.outcomes) / len(m.outcomes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.floats(-1.0, 1.0), min_size=6, max_size=6), min_size=0, max_size=4),
+       st.lists(st.integers(0, 5), max_size=6), st.booleans())
+def test_reader_shares_are_bit_identical_to_the_plain_sums(rows, readers, as_set):
+    plan = [(float(k), 1.0, row) for k, row in enumerate(rows)]
+    readers = set(readers) if as_set else readers
+    plain = [sum([row[b] for b in readers]) for _, _, row in plan]
+    got = reader_shares(plan, readers)
+    assert [repr(x) for x in got] == [repr(x) for x in plain]   # repr: -0.0 and 0.0, 0 and 0.0 differ
+
+
+def test_reader_shares_of_one_reader_add_to_the_int_zero_as_sum_does():
+    plan = [(0.0, 1.0, [-0.0, 0.25])]
+    assert repr(reader_shares(plan, [0])[0]) == repr(sum([-0.0])) == "0.0"

@@ -50,6 +50,7 @@ below its suffixes.
 from __future__ import annotations
 
 import math
+from operator import itemgetter
 
 from pbkv.cache import Node
 from pbkv.policy.extremes import Extremes
@@ -130,8 +131,19 @@ def first_read(plan: list[tuple], readers, scale: list[float] | None = None) -> 
 
 
 def reader_shares(plan: list[tuple], readers) -> list[float]:
-    """Per call k of `plan`: sum_{b in readers} P_k[b], summed in the order `readers` iterates."""
-    return [sum([row[b] for b in readers]) for _, _, row in plan]
+    """Per call k of `plan`: sum_{b in readers} P_k[b], summed in the order `readers` iterates.
+
+    Bit-identical to `sum([row[b] for b in readers])` per row (asked per ranked node and per
+    class at every prediction: policy time): `sum` adds left to right from the int 0, which is
+    what `sum` of an `itemgetter` tuple does, and for one reader `0 + row[b]` (0 + -0.0 is 0.0
+    in both)."""
+    if len(readers) == 1:
+        (b,) = readers
+        return [0 + row[b] for _, _, row in plan]
+    if not readers:
+        return [0 for _ in plan]
+    get = itemgetter(*readers)
+    return [sum(get(row)) for _, _, row in plan]
 
 
 def first_read_of(plan: list[tuple], shares: list[float], scale: list[float] | None = None) -> tuple[float, float]:
