@@ -13,9 +13,9 @@ Two kinds of load, the certain ones first:
   tagged or that are common, valued by `value`: the one-step reuse value (`reuse_score.py`)
   times, for a private node, its staleness (`staleness.py`: the next call may be its agent's yet
   not read this cache). Space: free device tokens plus retired device nodes (`retired`,
-  `retired_space.py`: cache private to workflows that all ended), so a prediction never displaces cache an active
-  workflow may use; the choice within that space and the link's budget is
-  `conservative_prefetch.plan`.
+  `retired_space.py`: cache private to workflows that all ended), so a prediction never
+  displaces cache an active workflow may use; the choice within that space and the link's
+  budget is `conservative_prefetch.plan`.
 
 Invariant: `plan` counts only nodes that qualify when it runs: a node in `retired` was a retired
 device node when added and one in `offloaded` was evicted below the device; each is re-checked

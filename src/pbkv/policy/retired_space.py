@@ -31,6 +31,8 @@ from pbkv.policy.reuse_score import ReuseScores
 
 
 class RetiredSpace:
+    """Retired device nodes and their tokens (see the module docstring for the invariant)."""
+
     def __init__(self, scores: ReuseScores):
         self.scores = scores
         self.members: dict[int, Node] = {}      # node id -> node (added, not yet dropped)
