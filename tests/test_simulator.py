@@ -228,3 +228,12 @@ def test_a_bad_profile_file_is_named_with_what_is_wrong(tmp_path, data, message)
         path.write_bytes(data)
     with pytest.raises(ValueError, match=message):
         load_profile(str(path))
+
+
+def test_a_far_event_during_a_decode_run_costs_no_overflow():
+    """A tool wait of 1e307 s is a valid trace value: the decode run in progress is not divided
+    by it (the step count overflowed to inf: OverflowError)."""
+    calls = [Call("a", 0, "x", 32, 50, [0, 1]), Call("b", 0, "x", 32, 1, [2, 3]),
+             Call("b", 1, "x", 48, 1, [2, 3, 4], tool_wait=1e307)]
+    rec, _, _ = run(Workload("t", Trace(TraceMeta(block_size=16), calls)), concurrency=2)
+    assert rec.calls == 3

@@ -262,7 +262,7 @@ class Simulator(EngineBase):
         dt = self._step_seconds()
         steps = running[0][0] - self._step
         until = min(self.horizon, self._events.next_time()) if self._events else self.horizon
-        if until < math.inf:
+        if until < self.now + steps * dt:   # (a far event, e.g. a week-long tool wait: no division)
             # the steps that reach the next event; the tolerance keeps an event due exactly at a
             # step's end (the same float sum) from costing one step more through rounding
             steps = min(steps, max(1, math.ceil((until - self.now) / dt - 1e-9)))
