@@ -105,6 +105,30 @@ def test_reads_from_the_shared_tier_queue_on_its_one_device():
     assert r["mean_ttft_s"] == pytest.approx((first + (read + rest) + (2 * read + rest)) / 3, rel=1e-4)
 
 
+@pytest.mark.parametrize("router, concurrency", [("round-robin", 12), ("least-load", None), ("pbkv", 6)])
+def test_no_decode_run_passes_a_call_routed_to_its_instance_by_more_than_a_step(monkeypatch, router, concurrency):
+    """Whenever a call reaches an instance at time T, no decode run of that instance that began
+    before T ended more than one step after T (`Simulator.horizon`, `quiet_until`)."""
+    from pbkv.engine.simulator import Simulator
+    runs, late = {}, []
+    decode, submit = Simulator._decode_round, Simulator.submit
+
+    def logged_decode(self):
+        start, dt = self.now, self._step_seconds()
+        decode(self)
+        runs.setdefault(id(self), []).append((start, self.now, dt))
+
+    def checked_submit(self, req):
+        t = req.arrival if req.arrival is not None else self.now
+        late.extend((s, e, t) for s, e, dt in runs.get(id(self), []) if s < t and e - t > dt * (1 + 1e-9))
+        submit(self, req)
+    monkeypatch.setattr(Simulator, "_decode_round", logged_decode)
+    monkeypatch.setattr(Simulator, "submit", checked_submit)
+    wl = load_workload(WL) if concurrency else timed(load_workload(WL), 2.0)
+    simulate_cluster(wl, cfg(concurrency=concurrency), 3, router, get_link("pcie4"))
+    assert runs and not late
+
+
 def test_one_pbkv_instance_reports_the_plain_records_monitor_readings():
     wl = load_workload(WL)
     run = cfg("pbkv")

@@ -196,6 +196,7 @@ class EngineBase:
             if req.node is not None and not req.loading:
                 self.tree.unlock(req.node)
                 req.node, freed = None, True
+        self._blocked = self._blocked and not freed
         return freed
 
     def _stuck_message(self, req: Request) -> str:

@@ -1,7 +1,8 @@
 """Discrete-event serving engine: continuous batching over the shared cache, time from a cost model.
 
 Each iteration is either a prefill pass (new requests, FCFS, up to `max_prefill_tokens` new
-tokens; prefill has priority, as in SGLang) or a run of decode steps. A decode run lasts until
+tokens; prefill has priority, as in SGLang; its effects, blocks in the tree and first tokens, come
+in the next iteration) or a run of decode steps. A decode run lasts until
 the first running request finishes or the next external event (an arrival, a finished load),
 so the loop costs O(events), not O(tokens): the batch is constant in between and its step time
 is taken at the run's start.
@@ -73,7 +74,6 @@ class Simulator(EngineBase):
 
     def clock(self) -> float:
         return self.now
-
 
     def run(self) -> None:
         """Serve until no request, event or load is left."""
@@ -278,6 +278,7 @@ class Simulator(EngineBase):
             self._finish(req)
 
     def _finish(self, req: Request) -> None:
+        self._blocked = False   # memory comes free: the queue may move (`quiet_until` relies on it)
         req.finished = self.now
         self.cache.release(req.reserved)
         req.reserved = 0
