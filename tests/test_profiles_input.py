@@ -121,3 +121,56 @@ def test_every_seed_option_has_the_same_range(command):
 def test_the_largest_seed_trains(tmp_path):
     r = invoke("train", "--trace", TRACE, "-o", tmp_path / "p", "--epochs", 1, "--seed", 2 ** 63 - 1)
     assert r.exit_code == 0, r.output
+
+
+# ---------------------------------------------------------------- unknown fields, lax types
+
+def profile_data(**changes) -> dict:
+    """BASE as a dict, top-level `changes` applied (None removes the field)."""
+    data = json.loads(load_profile(BASE).model_dump_json())
+    for key, value in changes.items():
+        if value is None:
+            del data[key]
+        else:
+            data[key] = value
+    return data
+
+
+@pytest.mark.parametrize("where, field", [("top", "step_overhead_msec"), ("gpu", "tflop"), ("model", "layer")])
+def test_a_misspelt_profile_field_is_refused_not_ignored(tmp_path, where, field):
+    data = profile_data()
+    (data if where == "top" else data[where])[field] = 500.0
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    loc = field if where == "top" else f"{where}.{field}"
+    with pytest.raises(ValueError, match=f"p.json: field '{loc}': unknown field"):
+        load_profile(str(path))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("step_overhead_ms", "500", "Input should be a valid number"),
+    ("max_running", True, "Input should be a valid integer"),
+    ("max_running", 64.0, "Input should be a valid integer"),
+    ("sources", "one line", "Input should be a valid list"),
+])
+def test_a_profile_value_of_the_wrong_type_is_refused_not_coerced(tmp_path, field, value, message):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_data(**{field: value})))
+    with pytest.raises(ValueError, match=f"p.json: field '{field}': {message}"):
+        load_profile(str(path))
+
+
+def test_a_profile_int_is_a_valid_float(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile_data(step_overhead_ms=500)))
+    assert load_profile(str(path)).step_overhead_ms == 500.0
+
+
+def test_bench_refuses_a_misspelt_profile_field_exit_2(tmp_path):
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(profile_data(step_overhead_ms=None, step_overhead_msec=500.0)))
+    r = invoke("bench", "--trace", TRACE, "--policies", "lru", "--concurrency", 4, "--jobs", 1,
+               "--out", tmp_path / "o", "--profile", path, "--pressure", "profile")
+    assert r.exit_code == 2, r.output
+    assert "typo.json: field 'step_overhead_msec': unknown field" in flat(r.output)
+    assert "Traceback" not in r.output

@@ -28,7 +28,10 @@ MAX_GIB = 1e6                    # GPU memory and reserve, GiB per GPU
 MAX_MS = 1e6                     # fixed latencies and overheads, ms (about 17 minutes)
 MAX_DIM = 1_000_000              # layers, heads, head_dim
 MAX_GPUS = 65536                 # GPUs per model instance
-FINITE = ConfigDict(allow_inf_nan=False)  # JSON's Infinity, -Infinity and NaN are refused
+# JSON's Infinity, -Infinity and NaN are refused; a misspelt field is an error, not ignored (its
+# default would be used without a word); strict: "500" is not a number, true is not 1, 64.0 is
+# not an int (an int is still a float)
+FINITE = ConfigDict(allow_inf_nan=False, extra="forbid", strict=True)
 
 
 def _rate(description: str):
@@ -135,11 +138,24 @@ def load_profile(name_or_path: str) -> Profile:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    return profile_from_data(data, where)
+
+
+def profile_from_data(data, where: str) -> Profile:
+    """`data` (parsed JSON) as a Profile; a ValueError names `where`, the field and the value
+    otherwise. Every field must be declared and of its type (no coercion)."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
     try:
         return Profile.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        raise ValueError(f"{where}: field '{loc}': {first['msg']}, got {first.get('input')!r}") from None
+        raise ValueError(f"{where}: {_first_error(e)}") from None
+
+
+def _first_error(e: ValidationError) -> str:
+    """`field 'a.b': message, got value` for the first error (`unknown field` for an undeclared one)."""
+    first = e.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"field '{loc}': unknown field"
+    return f"field '{loc}': {first['msg']}, got {first.get('input')!r}"
