@@ -20,7 +20,8 @@ from pbkv.bench.hf_run import HFConfig, get_model, hf_capacities, run_hf, scale_
 from pbkv.bench.run import RunConfig, simulate
 from pbkv.bench.sweep import Source, load_workload
 from pbkv.cache import CacheConfig
-from pbkv.engine.profiles import load_profile
+from pbkv.engine.profiles import load_profile, profile_from_data
+from pbkv.files import replaced_on_success
 
 COMPARED = [("mean_workflow_latency_s", "lat s", False), ("mean_ttft_s", "TTFT s", False),
             ("device_hit_rate", "dev %", True), ("host_hit_rate", "host %", True),
@@ -28,14 +29,28 @@ COMPARED = [("mean_workflow_latency_s", "lat s", False), ("mean_ttft_s", "TTFT s
 
 
 def calibrate(hf: HFConfig, output: Path, max_len: int = 512, repeats: int = 2) -> dict:
-    """Measure the model of `hf` on this machine; write and return the profile JSON."""
+    """Measure the model of `hf` on this machine; write and return the profile JSON.
+
+    Invariants: `output` is checked before anything is measured (`check_profile_output`); the
+    profile is validated by content before it is written, and the write replaces `output` whole
+    (a profile the simulator would refuse never reaches the disk, nor replaces a good one)."""
     from pbkv.engine.hf.calibrate import measure, to_profile
+    check_profile_output(output)
     lm = get_model(hf)
     profile = to_profile(lm, measure(lm, max_len, repeats, hf.seed), name=f"calibrated-{lm.name}")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(profile, indent=1) + "\n")
-    load_profile(str(output))  # the simulator must accept what we wrote
+    profile_from_data(profile, f"the profile measured for {output}")  # the simulator must accept it
+    with replaced_on_success(output) as tmp:
+        tmp.write_text(json.dumps(profile, indent=1) + "\n")
     return profile
+
+
+def check_profile_output(output: Path) -> None:
+    """A ValueError unless `output` can take a profile that `--profile` reads back: a name ending
+    in .json (`load_profile` reads any other name as a built-in's) that is not a folder."""
+    if output.suffix != ".json":
+        raise ValueError(f"{output}: a profile must be a .json file for --profile to read it")
+    if output.is_dir():
+        raise ValueError(f"{output} is a folder; give a file name")
 
 
 def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: HFConfig, profile: str,

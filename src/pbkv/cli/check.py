@@ -15,7 +15,7 @@ from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, Hos
 
 
 def calibrate(
-    output: output_opt("the profile JSON (for --profile FILE)"),
+    output: output_opt("the profile (a .json file, as --profile FILE reads it)"),
     model: ModelOpt = "tiny",
     max_len: Annotated[int, typer.Option(min=32, help="Longest prompt measured, in tokens.")] = 512,
     repeats: Annotated[int, typer.Option(min=1, help="Runs per measurement (the best counts).")] = 2,
