@@ -10,8 +10,8 @@ import typer
 from pbkv.cli.bench import hf_config
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, LoadRuleOpt, ModelOpt,
                              OutOpt, OutputScaleOpt, PoliciesOpt, ProfileOpt, ScaleOpt, SeedOpt, ThreadsOpt,
-                             TrainOpt, WorkflowsOpt, WorkloadOpt, console, exit_on_error, one_concurrency, output_opt,
-                             save_json, split, strs)
+                             TrainOpt, WorkflowsOpt, WorkloadOpt, console, distinct, exit_on_error, fail,
+                             one_concurrency, output_opt, save_json, split, strs)
 
 
 def calibrate(
@@ -62,6 +62,7 @@ def simcheck(
 
     hf = hf_config(model, scale, output_scale, load_rule, threads, seed)
     lanes = one_concurrency(concurrency)
+    names = policy_list(policies)
     with exit_on_error():
         source = source_from_arg(workload, workflows, seed)
         load_workload(source)  # a bad --workload fails now, not after calibrating
@@ -69,7 +70,7 @@ def simcheck(
             profile = str(out / "profile.json")
             console.print(f"calibrating {model} -> {profile}")
             run_calibrate(hf, Path(profile))
-        rows = run_simcheck(source, split(policies), lanes, hf, profile,
+        rows = run_simcheck(source, names, lanes, hf, profile,
                             CacheConfig(device_tokens, host_tokens, disk_tokens), PredictorSource(train=strs(train)),
                             out, progress=lambda r: console.print(f"  {r['policy']} done"))
     first = rows[0]
@@ -82,3 +83,16 @@ def simcheck(
         console.print(line)
     save_json(out / "simcheck.json", rows)
     console.print(f"results: {out / 'simcheck.json'}")
+
+
+def policy_list(value: str) -> list[str]:
+    """simcheck's --policies: at least one, each once, each a known policy (exit 2 otherwise,
+    before anything is calibrated or replayed)."""
+    from pbkv.policy.registry import policy_class
+    names = distinct("--policies", split(value))
+    if not names:
+        fail("--policies: give at least one policy")
+    with exit_on_error():
+        for name in names:
+            policy_class(name)
+    return names
