@@ -34,6 +34,7 @@ def calibrate(
 
 
 def simcheck(
+    ctx: typer.Context,
     model: ModelOpt = "tiny",
     profile: ProfileOpt = None,
     workload: WorkloadOpt = "hover",
@@ -65,7 +66,11 @@ def simcheck(
     names = policy_list(policies)
     with exit_on_error():
         source = source_from_arg(workload, workflows, seed)
-        load_workload(source)  # a bad --workload fails now, not after calibrating
+        replayed = len(load_workload(source).workflows)  # a bad --workload fails now, not after calibrating
+    if source.trace and given(ctx, "workflows"):
+        fail(f"--workflows applies to generated workloads; {workload} is a trace, replayed whole "
+             f"({replayed} workflows)")
+    with exit_on_error():
         if profile is None:
             profile = str(out / "profile.json")
             console.print(f"calibrating {model} -> {profile}")
@@ -74,7 +79,7 @@ def simcheck(
                             CacheConfig(device_tokens, host_tokens, disk_tokens), PredictorSource(train=strs(train)),
                             out, progress=lambda r: console.print(f"  {r['policy']} done"))
     first = rows[0]
-    console.print(table(rows, f"{workload} x{workflows}, concurrency {concurrency}, {model}, scale {scale:g}"
+    console.print(table(rows, f"{workload} x{replayed}, concurrency {concurrency}, {model}, scale {scale:g}"
                         + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
                         f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
                         f"disk {first['disk_tokens']:,}"))
@@ -96,3 +101,10 @@ def policy_list(value: str) -> list[str]:
         for name in names:
             policy_class(name)
     return names
+
+
+def given(ctx: typer.Context, name: str) -> bool:
+    """True when option `name` was given (command line or environment), not left at its default.
+    By the source's name: typer may bring its own copy of click's ParameterSource."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
