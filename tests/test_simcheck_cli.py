@@ -74,3 +74,37 @@ def test_simcheck_title_counts_the_generated_workflows(tmp_path, monkeypatch):
                "--policies", "lru", "--concurrency", 1, "--out", tmp_path / "o")
     assert r.exit_code == 0, r.output
     assert "hover x2," in r.output
+
+
+# ---------------------------------------------------------------- the verdict's rank test
+
+def verdict_row(policy, real_lat, sim_lat, real_re=100, sim_re=100):
+    return {"policy": policy, "real_mean_workflow_latency_s": real_lat, "sim_mean_workflow_latency_s": sim_lat,
+            "real_recomputed_tokens": real_re, "sim_recomputed_tokens": sim_re}
+
+
+@pytest.mark.parametrize("real_lru, real_kvflow", [(1.150, 1.162), (1.162, 1.150), (1.154, 1.154)])
+def test_a_tie_within_the_noise_is_no_rank_claim_whatever_the_names_or_order(real_lru, real_kvflow):
+    """Identical policies (the simulator gives both the same figures) must PASS whichever way the
+    real engine's ~1% timing noise falls, and whatever order the rows come in."""
+    rows = [verdict_row("lru", real_lru, 1.15395), verdict_row("kvflow", real_kvflow, 1.15395)]
+    for order in (rows, rows[::-1]):
+        lines = pbkv.bench.simcheck.verdict(order)
+        assert lines[0].startswith("PASS rank by latency"), lines
+        assert lines[1].startswith("PASS rank by recomputed tokens"), lines
+        assert "simulated kvflow ~ lru" in lines[0] and " ~ " in lines[0].split(";")[0]
+        assert lines == pbkv.bench.simcheck.verdict(rows)  # the rows' order changes nothing
+
+
+def test_a_rank_inversion_beyond_the_tie_fails_and_names_the_pair():
+    lines = pbkv.bench.simcheck.verdict([verdict_row("lru", 10.0, 5.0), verdict_row("pbkv", 11.0, 4.0),
+                                         verdict_row("kvflow", 10.05, 5.02)])
+    assert lines[0].startswith("FAIL rank by latency"), lines
+    assert "real lru ~ kvflow < pbkv; simulated pbkv < lru ~ kvflow" in lines[0]
+    assert "disagree: kvflow vs pbkv, lru vs pbkv" in lines[0]
+
+
+def test_a_tie_on_one_engine_only_is_no_disagreement():
+    lines = pbkv.bench.simcheck.verdict([verdict_row("lru", 10.0, 5.0, 100, 100),
+                                         verdict_row("pbkv", 10.1, 4.0, 100, 60)])
+    assert lines[0].startswith("PASS rank by latency") and lines[1].startswith("PASS rank by recomputed")
