@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, HostTokensOpt, PolicyOpt, PredictorOpt, WorkflowsOpt,
-                             WorkloadOpt, console, exit_on_error, one_concurrency)
+                             WorkloadOpt, check_exist, console, exit_on_error, fail, one_concurrency)
 
 perf_app = typer.Typer(no_args_is_help=True, help="Speed figures of the simulator, the policies and the cache.")
 
@@ -23,8 +24,9 @@ def perf_sim(
     """Calls simulated per minute (target >= 100,000)."""
     from pbkv.bench.perf import sim_speed
     lanes = one_concurrency(concurrency)
+    model = predictor_arg(policy, predictor)
     with exit_on_error():
-        r = sim_speed(workload, workflows, lanes, policy, str(predictor) if predictor else None)
+        r = sim_speed(workload, workflows, lanes, policy, model)
     console.print(f"{r['calls']} calls in {r['seconds']:.2f} s: {r['calls_per_minute']:,.0f} calls simulated per minute "
                   f"({workload}, {policy}, concurrency {concurrency}; generation not counted)")
 
@@ -43,8 +45,9 @@ def perf_policy(
     from pbkv.bench.perf import policy_overhead
     from pbkv.cache import CacheConfig
     lanes = one_concurrency(concurrency)
+    model = predictor_arg(policy, predictor)
     with exit_on_error():
-        r = policy_overhead(workload, policy, str(predictor) if predictor else None, workflows, lanes,
+        r = policy_overhead(workload, policy, model, workflows, lanes,
                             CacheConfig(device_tokens, host_tokens))
     console.print(f"{policy} on {workload} (concurrency {concurrency}): {r['policy_seconds']:.2f} s of policy decisions "
                   f"for {r['calls']} calls ({r['us_per_call']:.0f} us per call) in a simulated run of "
@@ -60,10 +63,26 @@ def perf_evict(
     """Eviction cost per evicted node in a tree of NODES nodes with live workflows (target <= 50 us).
     Predicting policies use --predictor, else a Markov predictor fitted on the synthetic workflows."""
     from pbkv.bench.perf import evict_speed
+    model = predictor_arg(policy, predictor)
     with exit_on_error():
-        r = evict_speed(nodes, policy, model=str(predictor) if predictor else None)
+        r = evict_speed(nodes, policy, model=model)
     used = f"; predictor: {r['predictor']}" if r["predictor"] else ""
     load = f"; load average {r['load']:.1f}" if r["load"] is not None else ""
     console.print(f"{r['evicted']} nodes evicted from a full {r['nodes']:,}-node tree with live workflows in "
                   f"{r['seconds'] * 1e3:.1f} ms of CPU time: {r['us_per_node']:.1f} us per evicted node "
                   f"({policy}{used}{load})")
+
+
+def predictor_arg(policy: str, predictor: Path | None) -> str | None:
+    """--predictor as perf's functions take it, checked before any work (exit 2): the policy is
+    known, the path exists (as bench checks it), and the policy reads a trained predictor (else
+    the figure would be taken without it while the command line names one)."""
+    from pbkv.policy.registry import needed_predictor
+    with exit_on_error():
+        variant = needed_predictor(policy)
+    if predictor is None:
+        return None
+    check_exist(predictor)
+    if variant is None:
+        fail(f"--predictor: {policy} uses no predictor (the pbkv policies do); leave --predictor out")
+    return str(predictor)
