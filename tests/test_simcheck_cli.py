@@ -108,3 +108,15 @@ def test_a_tie_on_one_engine_only_is_no_disagreement():
     lines = pbkv.bench.simcheck.verdict([verdict_row("lru", 10.0, 5.0, 100, 100),
                                          verdict_row("pbkv", 10.1, 4.0, 100, 60)])
     assert lines[0].startswith("PASS rank by latency") and lines[1].startswith("PASS rank by recomputed")
+
+
+def test_simcheck_refuses_a_bad_profile_before_any_work(tmp_path, no_work):
+    import json
+    from pbkv.engine.profiles import load_profile
+    data = json.loads(load_profile("a6000-qwen3-32b").model_dump_json())
+    data["step_overhead_msec"] = data.pop("step_overhead_ms")
+    (tmp_path / "typo.json").write_text(json.dumps(data))
+    r = invoke("simcheck", "--profile", tmp_path / "typo.json", "--policies", "lru", "--workflows", 2,
+               "--out", tmp_path / "o")
+    assert r.exit_code == 2, r.output
+    assert "typo.json: field 'step_overhead_msec': unknown field" in flat(r.output)

@@ -60,6 +60,7 @@ def simcheck(
     from pbkv.bench.simcheck import table, verdict
     from pbkv.bench.sweep import load_workload, source_from_arg
     from pbkv.cache import CacheConfig
+    from pbkv.engine.profiles import load_profile
 
     hf = hf_config(model, scale, output_scale, load_rule, threads, seed)
     lanes = one_concurrency(concurrency)
@@ -71,7 +72,9 @@ def simcheck(
         fail(f"--workflows applies to generated workloads; {workload} is a trace, replayed whole "
              f"({replayed} workflows)")
     with exit_on_error():
-        if profile is None:
+        if profile is not None:
+            load_profile(profile)  # a bad --profile fails now, not after training predictors
+        else:
             profile = str(out / "profile.json")
             console.print(f"calibrating {model} -> {profile}")
             run_calibrate(hf, Path(profile))
