@@ -10,7 +10,7 @@ import typer
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
                              PredictorOpt, ProfileOpt, RouterOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
-                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, check_outputs, concurrency_list,
+                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, check_outputs, check_outside, concurrency_list,
                              console, distinct, exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
@@ -96,6 +96,7 @@ def bench(
     if json_path is not None and json_path.resolve() == (out / "bench.json").resolve():
         json_path = None   # the same file: written once
     check_outputs([*(trace or []), *(train or [])], {"--out": out / "bench.json", **({"--json": json_path} if json_path else {})})
+    check_outside({"--predictor": predictor}, {"--out": out, "--json": json_path})
     run_bench(BenchArgs(
         sources=sources(workload, trace, workflows, seed), policies=distinct("--policies", split(policies)),
         concurrency=concurrency_list(concurrency), profile=profile,

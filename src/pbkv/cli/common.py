@@ -89,6 +89,20 @@ def check_outputs(inputs, outputs: dict[str, Path | None]) -> None:
         taken[key] = f"also {option}"
 
 
+def check_outside(folders: dict[str, Path | None], outputs: dict[str, Path | None]) -> None:
+    """Exit 2 when an output (option name -> path) lies inside a folder that is read (option name
+    -> folder, e.g. `--predictor`): writing there would replace or add to a saved predictor while it
+    is being scored. Invariant: no command writes under a folder it reads."""
+    for folder_option, folder in folders.items():
+        if folder is None:
+            continue
+        root = os.path.realpath(folder)
+        for option, path in outputs.items():
+            real = os.path.realpath(path) if path is not None else None
+            if real is not None and (real == root or real.startswith(root.rstrip(os.sep) + os.sep)):
+                fail(f"{option} {path} is inside the {folder_option} {folder}; write to another file")
+
+
 def _file_key(path) -> tuple:
     """One key per file: (device, inode) when it exists (hard links, symlinks), else its real path."""
     try:

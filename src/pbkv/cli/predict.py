@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
-                             check_horizon, check_outputs, console, exit_on_error, fail, predictor_folder, save_json)
+                             check_horizon, check_outside, check_outputs, console, exit_on_error, fail, predictor_folder, save_json)
 
 # (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
 VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"), ("context", "context-only", "context_"))
@@ -69,6 +69,7 @@ def predict_eval(
         fail("--trace: predict-eval evaluates on one trace")
     one = trace[0] if trace else None
     check_outputs([one, test, *(train or [])], {"--json": json_path})
+    check_outside({"--predictor": predictor}, {"--json": json_path})
     with exit_on_error():
         if predictor is not None:
             if one is None or train is not None or test is not None:
