@@ -52,3 +52,19 @@ def test_bench_outputs_inside_the_predictor_are_refused(tmp_path):
                             "--concurrency", "2", "--out", str(pred)])
     assert r.exit_code == 2, r.output
     assert "is inside the --predictor" in _one_line(r.output), r.output
+
+
+# ---- repro/24: an unusable predictor cache is found before training
+def test_a_cache_that_is_a_file_fails_before_training(monkeypatch, tmp_path):
+    import pbkv.bench.predictors as predictors
+
+    def trained(*args, **kwargs):
+        raise AssertionError("trained before the cache folder was checked")
+    monkeypatch.setattr(predictors, "_train_and_save", trained)
+    cache = tmp_path / "cachefile"
+    cache.write_text("not a folder")
+    monkeypatch.setenv("PBKV_CACHE", str(cache))
+    r = runner.invoke(app, ["bench", "--workload", "hover", "--workflows", "2", "--policies", "lru,pbkv",
+                            "--concurrency", "2", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert f"$PBKV_CACHE={cache}/predictors: {cache} is not a folder" in _one_line(r.output), r.output

@@ -77,6 +77,8 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
                                  f"{source.name}: pass --train FILE (or --predictor DIR)")
             todo[str(folder)] = (data, variant)
             paths[(source.name, variant)] = str(folder)
+    if any(not isinstance(data, tuple) for data, _ in todo.values()):
+        check_cache_writable()  # before training, not after it
     if len(todo) <= 1 or jobs <= 1:
         for folder, (data, variant) in todo.items():
             _train_and_save(data, variant, psrc, folder, progress)
@@ -95,6 +97,25 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
 def cache_dir() -> Path:
     """Where predictors trained on generated workloads are kept: $PBKV_CACHE or ~/.cache/pbkv."""
     return Path(os.environ.get("PBKV_CACHE") or Path.home() / ".cache" / "pbkv")
+
+
+def check_cache_writable() -> None:
+    """Raise ValueError (naming the cache and the setting that chose it) when the predictor cache
+    `cache_dir()/predictors` cannot be created or written: checked before training, so a bad
+    $PBKV_CACHE never costs a training. Invariant: the nearest existing folder on its path is a
+    writable folder, and nothing on the path is a file."""
+    folder = cache_dir() / "predictors"
+    where = f"$PBKV_CACHE={folder}" if os.environ.get("PBKV_CACHE") else f"the predictor cache {folder}"
+    for path in (folder, *folder.parents):
+        if not path.exists():
+            continue
+        if not path.is_dir():
+            raise ValueError(f"{where}: {path} is not a folder (predictors trained for generated workloads are "
+                             f"kept there; set $PBKV_CACHE to a writable folder)")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{where}: {path} is not writable (predictors trained for generated workloads are "
+                             f"kept there; set $PBKV_CACHE to a writable folder)")
+        return
 
 
 def code_version() -> str:
