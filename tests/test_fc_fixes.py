@@ -68,3 +68,38 @@ def test_a_cache_that_is_a_file_fails_before_training(monkeypatch, tmp_path):
                             "--concurrency", "2", "--out", str(tmp_path / "out")])
     assert r.exit_code == 2, r.output
     assert f"$PBKV_CACHE={cache}/predictors: {cache} is not a folder" in _one_line(r.output), r.output
+
+
+# ---- repro/7: trace split of generated traces
+def _split(tmp_path: Path, trace: Path, *extra: str) -> tuple[list[dict], list[dict]]:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    r = runner.invoke(app, ["trace", "split", str(trace), "--train-out", str(a), "--test-out", str(b), *extra])
+    assert r.exit_code == 0, r.output
+    return tuple([json.loads(line) for line in f.read_text().splitlines()[1:]] for f in (a, b))
+
+
+def _firsts(calls: list[dict]) -> list[dict]:
+    return [c for c in calls if c["step"] == 0]
+
+
+def test_split_keeps_each_generated_task_line_on_one_side(tmp_path):
+    train, test = _split(tmp_path, _gen(tmp_path, "dialogue", 200))
+    tasks = [{c["context"].split(" | ")[0] for c in _firsts(part)} for part in (train, test)]
+    assert tasks[0] and tasks[1] and not tasks[0] & tasks[1], tasks
+
+
+def test_split_of_a_spec_without_task_variables_splits_by_workflow(tmp_path):
+    spec = tmp_path / "plain.yaml"
+    spec.write_text("name: plain\nagents:\n  a: {prompt: 100, output: [10, 20]}\ntask: {tokens: [50, 500]}\n"
+                    "flow: {start: a}\n")
+    trace = tmp_path / "p.jsonl"
+    assert runner.invoke(app, ["gen", "--spec", str(spec), "-o", str(trace), "--workflows", "50"]).exit_code == 0
+    train, test = _split(tmp_path, trace)
+    assert 15 <= len(_firsts(test)) <= 35 and len(_firsts(train)) + len(_firsts(test)) == 50
+
+
+def test_split_respects_the_fraction_as_well_as_groups_allow(tmp_path):
+    trace = _gen(tmp_path, "swe", 200)
+    for fraction, low, high in (("0.5", 80, 120), ("0.25", 30, 70)):
+        train, test = _split(tmp_path, trace, "--test-fraction", fraction)
+        assert low <= len(_firsts(test)) <= high, (fraction, len(_firsts(test)))

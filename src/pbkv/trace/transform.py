@@ -1,8 +1,9 @@
 """Rewrite traces: split one by task, or strip its workflow structure.
 
 - `split_by_task`: two traces with no task in both (grouped by the task line of the first
-  call's context when there is one, else by workflow), chosen by a hash of the group, so the
-  split is stable across runs and machines; each part's metadata says which part it is and drops
+  call's context when there is one, else by workflow; see `task_groups`), groups taken in the
+  order of a hash so the split is stable across runs and machines, sized to the test fraction as
+  closely as the groups allow; each part's metadata says which part it is and drops
   whole-file counts (`part_meta`);
 - `flatten`: every call becomes its own one-call workflow (same prompts, same order): a trace
   with no workflow structure, on which a workflow-aware policy must not lose to LRU.
@@ -11,27 +12,49 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import replace
 
 from pbkv.trace.call import Call, Trace, TraceMeta
 
 
+# `pbkv gen` writes the whole context on one line, "task: TEXT (words) | turn: WORDS | agent: NAME":
+# only the part before the first of these fields is the task.
+_GENERATED_FIELDS = re.compile(r" \| (?:turn|agent): ")
+
+
 def task_key(calls: list[Call]) -> str:
     """The task of a workflow: the first line of step 0's context when it starts with "task:"
-    (ChatDev: runs of one task), otherwise the workflow id."""
+    (ChatDev: runs of one task), cut before a generated trace's " | turn: " / " | agent: " fields;
+    otherwise the workflow id."""
     first = (calls[0].context or "").split("\n", 1)[0]
-    return first if first.startswith("task:") else calls[0].workflow_id
+    return _GENERATED_FIELDS.split(first, 1)[0] if first.startswith("task:") else calls[0].workflow_id
+
+
+def task_groups(trace: Trace) -> dict[str, list[str]]:
+    """Task key -> its workflow ids (file order). When the task lines name fewer than two tasks (a
+    generated spec without task variables: every workflow says "task: NAME", yet each drew its own
+    task statement), every workflow is its own group. Invariant: every workflow is in exactly one group."""
+    workflows = trace.workflows()
+    groups: dict[str, list[str]] = {}
+    for wf, calls in workflows.items():
+        groups.setdefault(task_key(calls), []).append(wf)
+    return groups if len(groups) >= 2 else {wf: [wf] for wf in workflows}
 
 
 def split_by_task(trace: Trace, test_fraction: float = 0.5, seed: int = 0) -> tuple[Trace, Trace]:
-    """(train, test): a workflow is in test iff sha1(seed:task key) / 2^160 < test_fraction, so all
-    runs of one task land on the same side, the same way in every process. Calls keep file order."""
+    """(train, test) with no task group in both (`task_groups`). Groups are taken in the order of
+    sha1(seed:key), the same in every process, and each goes to test when that brings the test
+    part's workflow count nearer to test_fraction x all workflows: the fraction is met as closely as
+    the groups' sizes allow (0 puts nothing in test, 1 everything). Calls keep file order."""
     if not 0 <= test_fraction <= 1:
         raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
-    test_ids = set()
-    for wf, calls in trace.workflows().items():
-        if int(hashlib.sha1(f"{seed}:{task_key(calls)}".encode()).hexdigest(), 16) / 16 ** 40 < test_fraction:
-            test_ids.add(wf)
+    groups = task_groups(trace)
+    target = test_fraction * sum(len(wfs) for wfs in groups.values())
+    test_ids: set[str] = set()
+    for key in sorted(groups, key=lambda k: hashlib.sha1(f"{seed}:{k}".encode()).hexdigest()):
+        if abs(len(test_ids) + len(groups[key]) - target) < abs(len(test_ids) - target):
+            test_ids.update(groups[key])
     parts = []
     for name, calls in (("train", [c for c in trace.calls if c.workflow_id not in test_ids]),
                         ("test", [c for c in trace.calls if c.workflow_id in test_ids])):
@@ -60,7 +83,7 @@ def require_both_parts(train: Trace, test: Trace, where: str) -> None:
     half would fail later, in training or replay, far from its cause."""
     if train.calls and test.calls:
         return
-    groups = len({task_key(calls) for t in (train, test) for calls in t.workflows().values()})
+    groups = len(task_groups(replace(train, calls=train.calls + test.calls)))
     if groups < 2:
         raise ValueError(f"{where}: holds {groups} task group(s); a split needs at least two")
     full, empty = ("train", "test") if train.calls else ("test", "train")
