@@ -103,3 +103,18 @@ def test_split_respects_the_fraction_as_well_as_groups_allow(tmp_path):
     for fraction, low, high in (("0.5", 80, 120), ("0.25", 30, 70)):
         train, test = _split(tmp_path, trace, "--test-fraction", fraction)
         assert low <= len(_firsts(test)) <= high, (fraction, len(_firsts(test)))
+
+
+# ---- repro/10: -o /dev/stdout keeps stdout a valid trace
+def test_status_lines_go_to_stderr_when_the_output_is_stdout(tmp_path):
+    import subprocess
+    import sys
+    code = "import sys; from pbkv.cli import app; sys.argv[0] = 'pbkv'; app()"
+    trace = _gen(tmp_path, n=1)
+    for args in (["gen", "hover", "-o", "/dev/stdout", "--workflows", "1"],
+                 ["trace", "flatten", str(trace), "-o", "/dev/stdout"]):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines and all(json.loads(line) is not None for line in lines), r.stdout[-300:]
+        assert "wrote" in r.stderr, r.stderr

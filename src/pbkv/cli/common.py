@@ -7,8 +7,10 @@ says where the default differs between commands.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -20,6 +22,26 @@ from pbkv.trace import TraceError
 
 # Tables need ~110 columns; a narrower (or piped) output still gets them whole.
 console = Console(width=max(110, shutil.get_terminal_size((110, 24)).columns))
+
+err_console = Console(width=console.width, stderr=True)
+
+
+def writes_stdout(path: Path | None) -> bool:
+    """Whether writing `path` writes this process's standard output (`-o /dev/stdout`)."""
+    if path is None:
+        return False
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return str(path) in ("/dev/stdout", "/dev/fd/1", "/proc/self/fd/1")
+
+
+def status_console(*outputs: Path | None) -> Console:
+    """Where a command's status lines go: stderr when one of its outputs is stdout, so that a
+    piped trace (`pbkv gen hover -o /dev/stdout | pbkv trace stats /dev/stdin`) holds nothing else;
+    else `console`."""
+    return err_console if any(writes_stdout(p) for p in outputs) else console
+
 
 MODEL_HELP = ("Language model: 'tiny' (random small Llama, byte tokenizer), 'smollm2' (needs pbkv\\[smollm2]) "
               "or a local model directory. bench: used with --engine hf or vllm.")

@@ -9,7 +9,8 @@ import typer
 from rich.markup import escape
 
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, check_outputs, console,
-                             exit_on_error, fail, output_file, output_opt, save_json)
+                             exit_on_error, fail, output_file, output_opt, save_json,
+                             status_console)
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
 
@@ -31,7 +32,7 @@ def gen(
     with exit_on_error():
         trace = generate(load_spec(str(spec) if spec else workload), workflows, seed)
         write_trace(trace, output)
-    console.print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}")
+    status_console(output).print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}")
 
 
 @trace_app.command("stats")
@@ -75,7 +76,8 @@ def trace_split_cmd(
             require_both_parts(train, test, str(file))
         write_trace(train, train_out)
         write_trace(test, test_out)
-    console.print(f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
+    status_console(train_out, test_out).print(
+        f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
 
 
 @trace_app.command("flatten")
@@ -89,7 +91,7 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
     with exit_on_error():
         trace = flatten(read_trace(file))
         write_trace(trace, output)
-    console.print(f"wrote {len(trace.calls)} one-call workflows to {output}")
+    status_console(output).print(f"wrote {len(trace.calls)} one-call workflows to {output}")
 
 
 @trace_app.command("repair")
@@ -112,14 +114,15 @@ def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
                 trace = read_trace(tmp)  # what is kept must be a valid trace
             except TraceError as e:      # its lines are FILE's first ones: name FILE, not the temporary
                 raise TraceError(str(e).replace(display_name(tmp), display_name(file), 1)) from None
+    out = status_console(output)
     kept = f"kept {len(trace.calls)} calls of {len(trace.workflows())} workflows in {output}"
     if fixed.cut_line is None:
-        console.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")
+        out.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")
     elif fixed.at_line_end:
-        console.print(f"{file}: its last run stops at line {fixed.cut_line} without 'done' (a write stopped at a "
+        out.print(f"{file}: its last run stops at line {fixed.cut_line} without 'done' (a write stopped at a "
                       f"line's end); dropped that run ({fixed.dropped_calls} call lines); {kept}")
     else:
-        console.print(f"{file}: ends inside line {fixed.cut_line}; dropped that run ({fixed.dropped_calls} whole "
+        out.print(f"{file}: ends inside line {fixed.cut_line}; dropped that run ({fixed.dropped_calls} whole "
                       f"call lines and the cut line); {kept}")
 
 
@@ -145,8 +148,8 @@ def trace_import_cmd(
                                         source_block_size=source_block_size)
         except OptionError as e:  # an unknown --from, a missing --source-block-size: the command line's fault
             fail(str(e))
-    console.print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
-    print_notes(report.notes)
+    status_console(output).print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
+    print_notes(report.notes, status_console(output))
 
 
 @trace_app.command("export")
@@ -165,12 +168,12 @@ def trace_export_cmd(
             report = export_file(fmt, file, output)
         except OptionError as e:  # an unknown --to: the command line's fault
             fail(str(e))
-    console.print(report.summary(output))
-    print_notes(report.notes)
+    status_console(output).print(report.summary(output))
+    print_notes(report.notes, status_console(output))
 
 
-def print_notes(notes: list[str]) -> None:
+def print_notes(notes: list[str], out=None) -> None:
     """One `note:` line each, taken literally: notes quote names from the file (sessions, keys),
     which rich would otherwise read as markup (`[red]`)."""
     for note in notes:
-        console.print(f"note: {escape(note)}")
+        (out or console).print(f"note: {escape(note)}")
