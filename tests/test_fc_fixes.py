@@ -118,3 +118,31 @@ def test_status_lines_go_to_stderr_when_the_output_is_stdout(tmp_path):
         lines = r.stdout.splitlines()
         assert lines and all(json.loads(line) is not None for line in lines), r.stdout[-300:]
         assert "wrote" in r.stderr, r.stderr
+
+
+# ---- repro/8 and repro/12: --workload empty, or given with --trace
+def test_an_empty_workload_list_names_the_option(tmp_path):
+    for command in ("bench", "ablate"):
+        for value in ("", ","):
+            r = runner.invoke(app, [command, "--workload", value, "--workflows", "2", "--concurrency", "2",
+                                    "--out", str(tmp_path / "out")])
+            assert r.exit_code == 2, r.output
+            assert "error: --workload: give at least one workload" in _one_line(r.output), r.output
+
+
+def test_workload_or_workflows_given_with_trace_are_refused(monkeypatch, tmp_path):
+    import pbkv.bench.main
+    ran = []
+    monkeypatch.setattr(pbkv.bench.main, "run", lambda args, console: ran.append(args))
+    trace = _gen(tmp_path, n=2)
+    base = ["--trace", str(trace), "--concurrency", "2", "--out", str(tmp_path / "out")]
+    for command in ("bench", "ablate"):
+        for extra, option in ((["--workload", "swe"], "--workload"), (["--workflows", "1"], "--workflows")):
+            r = runner.invoke(app, [command, *base, *extra])
+            assert r.exit_code == 2, r.output
+            assert f"error: {option}" in _one_line(r.output) and "--trace" in r.output, r.output
+        assert runner.invoke(app, [command, *base]).exit_code == 0   # the defaults alone are fine
+    assert len(ran) == 2 and [s.name for s in ran[0].sources] == ["hover"]
+    r = runner.invoke(app, ["bench", "--workflows", "3", "--concurrency", "2", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0 and [(s.name, s.workflows) for s in ran[-1].sources] == [
+        ("hover", 3), ("swe", 3), ("finance", 3), ("dialogue", 3)], r.output

@@ -10,7 +10,7 @@ import typer
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
                              PredictorOpt, ProfileOpt, RouterOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
-                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, check_outputs, check_outside, concurrency_list,
+                             DebugOpt, check_exist, check_horizon, check_outputs, check_outside, concurrency_list,
                              console, distinct, exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
@@ -41,11 +41,25 @@ SamplesOpt = Annotated[int, typer.Option(
     help="Run each cell this many times, every tier 0.5% larger each time, and report the means and the range "
          "of speedups (--engine sim; a replay's latency moves ~1% with a few tokens of memory: "
          "pbkv.bench.samples).")]
+BENCH_WORKLOADS, ABLATE_WORKLOADS, WORKFLOWS = "hover,swe,finance,dialogue", "hover,swe,finance", 400
+
+
+def workload_opt(default: str):
+    """--workload with no default value (None: not given, so it can be told apart from the
+    default when --trace is given too); the help shows `default`."""
+    return Annotated[Optional[str], typer.Option(
+        help="Built-in workload names or spec files (.yaml/.json), comma-separated; not with --trace.",
+        show_default=default)]
+
+
+BenchWorkflowsOpt = Annotated[Optional[int], typer.Option(
+    min=1, help="Workflows per generated workload; not with --trace (a trace is replayed whole).",
+    show_default=str(WORKFLOWS))]
 SharedLinkOpt = Annotated[str, typer.Option(help="How instances read the shared tier (a --link name; default nvme).")]
 
 
 def bench(
-    workload: WorkloadOpt = "hover,swe,finance,dialogue",
+    workload: workload_opt(BENCH_WORKLOADS) = None,
     trace: TracesOpt = None,
     policies: PoliciesOpt = "lru,kvflow,continuum,scalesim,arc,slru,pbkv,oracle",
     concurrency: ConcurrencyOpt = "64",
@@ -55,7 +69,7 @@ def bench(
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
     disk_tokens: DiskTokensOpt = None,
-    workflows: WorkflowsOpt = 400,
+    workflows: BenchWorkflowsOpt = None,
     seed: SeedOpt = 0,
     train: TrainOpt = None,
     predictor: PredictorOpt = None,
@@ -98,7 +112,7 @@ def bench(
     check_outputs([*(trace or []), *(train or [])], {"--out": out / "bench.json", **({"--json": json_path} if json_path else {})})
     check_outside({"--predictor": predictor}, {"--out": out, "--json": json_path})
     run_bench(BenchArgs(
-        sources=sources(workload, trace, workflows, seed), policies=distinct("--policies", split(policies)),
+        sources=sources(workload, BENCH_WORKLOADS, trace, workflows, seed), policies=distinct("--policies", split(policies)),
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, json_path=json_path,
         horizon=horizon, online=online, train_files=strs(train), engine=engine, hf=hf, vllm=vllm,
@@ -127,13 +141,13 @@ def regime_args(pressure: str, tiers: str) -> dict:
 
 
 def ablate(
-    workload: WorkloadOpt = "hover,swe,finance",
+    workload: workload_opt(ABLATE_WORKLOADS) = None,
     trace: TracesOpt = None,
     concurrency: ConcurrencyOpt = "64,96,128",
     profile: ProfileOpt = "a6000-qwen3-32b",
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
-    workflows: WorkflowsOpt = 400,
+    workflows: BenchWorkflowsOpt = None,
     seed: SeedOpt = 0,
     train: TrainOpt = None,
     horizon: HorizonOpt = None,
@@ -152,18 +166,27 @@ def ablate(
     check_exist(*(trace or []), *(train or []))
     check_outputs([*(trace or []), *(train or [])], {"--out": out / "bench.json"})
     run_bench(BenchArgs(
-        sources=sources(workload, trace, workflows, seed), policies=ABLATION,
+        sources=sources(workload, ABLATE_WORKLOADS, trace, workflows, seed), policies=ABLATION,
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon, samples=samples,
         predictor=PredictorSource(train=strs(train), horizon=horizon or 3)), debug)
 
 
-def sources(workload: str, trace: list[Path] | None, workflows: int, seed: int) -> list:
-    """The replayed traces, or else the generated workloads."""
+def sources(workload: str | None, default: str, trace: list[Path] | None, workflows: int | None,
+            seed: int) -> list:
+    """The replayed traces, or else the generated workloads (`default` when --workload is not
+    given). Exit 2 when --workload or --workflows is given with --trace (it would be ignored) or
+    --workload names no workload. Invariant: the list is never empty."""
     from pbkv.bench.sweep import source_from_arg, trace_source
     if trace:
+        for option, value in (("--workload", workload), ("--workflows", workflows)):
+            if value is not None:
+                fail(f"{option}: not with --trace (the traces are replayed whole, nothing is generated)")
         return [trace_source(str(t)) for t in trace]   # a trace whatever its name ends in
-    return [source_from_arg(w, workflows, seed) for w in split(workload)]
+    names = split(default if workload is None else workload)
+    if not names:
+        fail(f"--workload: give at least one workload (hover, swe, ...) or --trace FILE, got {workload!r}")
+    return [source_from_arg(w, workflows or WORKFLOWS, seed) for w in names]
 
 
 def run_bench(args, debug: bool = False) -> None:
