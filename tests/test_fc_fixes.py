@@ -146,3 +146,14 @@ def test_workload_or_workflows_given_with_trace_are_refused(monkeypatch, tmp_pat
     r = runner.invoke(app, ["bench", "--workflows", "3", "--concurrency", "2", "--out", str(tmp_path / "o")])
     assert r.exit_code == 0 and [(s.name, s.workflows) for s in ran[-1].sources] == [
         ("hover", 3), ("swe", 3), ("finance", 3), ("dialogue", 3)], r.output
+
+
+# ---- repro/15: ablate's advice names only options ablate has
+def test_ablate_on_a_trace_without_train_advises_only_train(tmp_path):
+    trace = _gen(tmp_path, n=2)
+    r = runner.invoke(app, ["ablate", "--trace", str(trace), "--concurrency", "2", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2, r.output
+    assert "pass --train FILE" in _one_line(r.output) and "--predictor" not in r.output, r.output
+    r = runner.invoke(app, ["bench", "--trace", str(trace), "--policies", "pbkv", "--concurrency", "2",
+                            "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "pass --train FILE (or --predictor DIR)" in _one_line(r.output), r.output

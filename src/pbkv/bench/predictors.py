@@ -37,6 +37,7 @@ class PredictorSource:
     train: tuple[str, ...] = ()          # trace files to train on
     horizon: int = 3
     epochs: int | None = None
+    takes_predictor: bool = True         # the command has --predictor DIR (ablate has not): errors may advise it
 
 
 def variants_needed(policies: list[str]) -> list[str]:
@@ -73,8 +74,9 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
                     continue
             else:
                 users = [p for p in policies if needed_predictor(p) == variant]
+                other = " (or --predictor DIR)" if psrc.takes_predictor and variant == "fused" else ""
                 raise ValueError(f"{', '.join(users)} needs a trained {variant} predictor to replay "
-                                 f"{source.name}: pass --train FILE (or --predictor DIR)")
+                                 f"{source.name}: pass --train FILE{other}")
             todo[str(folder)] = (data, variant)
             paths[(source.name, variant)] = str(folder)
     if any(not isinstance(data, tuple) for data, _ in todo.values()):

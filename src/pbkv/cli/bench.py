@@ -169,7 +169,7 @@ def ablate(
         sources=sources(workload, ABLATE_WORKLOADS, trace, workflows, seed), policies=ABLATION,
         concurrency=concurrency_list(concurrency), profile=profile,
         cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon, samples=samples,
-        predictor=PredictorSource(train=strs(train), horizon=horizon or 3)), debug)
+        predictor=PredictorSource(train=strs(train), horizon=horizon or 3, takes_predictor=False)), debug)
 
 
 def sources(workload: str | None, default: str, trace: list[Path] | None, workflows: int | None,
