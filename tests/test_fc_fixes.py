@@ -157,3 +157,15 @@ def test_ablate_on_a_trace_without_train_advises_only_train(tmp_path):
     r = runner.invoke(app, ["bench", "--trace", str(trace), "--policies", "pbkv", "--concurrency", "2",
                             "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "pass --train FILE (or --predictor DIR)" in _one_line(r.output), r.output
+
+
+# ---- repro/20: predict-eval's split error names only options predict-eval has
+def test_predict_eval_split_error_does_not_advise_test_fraction(monkeypatch, tmp_path):
+    from dataclasses import replace
+    import pbkv.predict
+    trace = _gen(tmp_path, n=2)
+    monkeypatch.setattr(pbkv.predict, "split_by_task", lambda t, f, s: (t, replace(t, calls=[])))
+    r = runner.invoke(app, ["predict-eval", "--trace", str(trace), "--split", "--epochs", "1"])
+    assert r.exit_code == 2, r.output
+    assert "fell in the train part" in _one_line(r.output) and "try another --seed" in _one_line(r.output)
+    assert "--test-fraction" not in r.output, r.output

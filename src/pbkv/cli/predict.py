@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
                              check_horizon, check_outside, check_outputs, console, exit_on_error, fail, predictor_folder, save_json)
 
+SPLIT_ADVICE = "try another --seed"   # --split is 50/50: predict-eval has no --test-fraction
 # (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
 VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"), ("context", "context-only", "context_"))
 
@@ -97,7 +98,7 @@ def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> list[tu
     data = read_trace(trace)
     if split:
         halves = split_by_task(data, 0.5, seed)
-        require_both_parts(*halves, str(trace))
+        require_both_parts(*halves, str(trace), SPLIT_ADVICE)
         data = halves[1]
     _require_calls(data, trace)
     rows = [(p.name, "", evaluate(p, data))]
@@ -115,7 +116,7 @@ def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tupl
         fit, data = [read_trace(t) for t in train], read_trace(test)
     elif trace is not None and split and train is None and test is None:
         fit, data = split_by_task(read_trace(trace), 0.5, seed)
-        require_both_parts(fit, data, str(trace))
+        require_both_parts(fit, data, str(trace), SPLIT_ADVICE)
     else:
         fail("give --predictor DIR --trace FILE, or --train FILE --test FILE, or --trace FILE --split")
     _require_calls(data, test or trace)  # before minutes of training, not a table of dashes after

@@ -78,9 +78,11 @@ def part_meta(meta: TraceMeta, part: str) -> TraceMeta:
     return replace(meta, notes=notes, extra=extra)
 
 
-def require_both_parts(train: Trace, test: Trace, where: str) -> None:
+def require_both_parts(train: Trace, test: Trace, where: str,
+                       advice: str = "try another --seed or --test-fraction") -> None:
     """Raise ValueError (naming `where`) when a split left one part without workflows: an empty
-    half would fail later, in training or replay, far from its cause."""
+    half would fail later, in training or replay, far from its cause. `advice` names only options
+    the calling command has (predict-eval has no --test-fraction)."""
     if train.calls and test.calls:
         return
     groups = len(task_groups(replace(train, calls=train.calls + test.calls)))
@@ -88,7 +90,7 @@ def require_both_parts(train: Trace, test: Trace, where: str) -> None:
         raise ValueError(f"{where}: holds {groups} task group(s); a split needs at least two")
     full, empty = ("train", "test") if train.calls else ("test", "train")
     raise ValueError(f"{where}: all {groups} task groups fell in the {full} part, none in {empty}: "
-                     f"try another --seed or --test-fraction")
+                     f"{advice}")
 
 
 def flatten(trace: Trace) -> Trace:
