@@ -169,3 +169,20 @@ def test_predict_eval_split_error_does_not_advise_test_fraction(monkeypatch, tmp
     assert r.exit_code == 2, r.output
     assert "fell in the train part" in _one_line(r.output) and "try another --seed" in _one_line(r.output)
     assert "--test-fraction" not in r.output, r.output
+
+
+# ---- repro/25: the predict-eval table is readable at any horizon
+def test_predict_table_is_readable_at_large_horizons(monkeypatch):
+    import io
+    from rich.console import Console
+    import pbkv.cli.predict as predict
+    for k in (12, 1024):
+        metrics = {"calls": 40, "end_acc": 0.9, "ece": 0.05, "us_per_call": 12.0,
+                   **{f"top1_k{i}": 0.5 + i / 10_000 for i in range(1, k + 1)}}
+        buf = io.StringIO()
+        monkeypatch.setattr(predict, "console", Console(file=buf, width=110))
+        predict._print_predict_table([("fused", "", metrics), ("markov", "markov_", metrics)])
+        text = buf.getvalue()
+        assert "…" not in text, text
+        assert "top1@k1" in text and f"top1@k{k}" in text and f"{0.5 + k / 10_000:.3f}" in text, text
+        assert "0.900" in text and "--json" in text, text

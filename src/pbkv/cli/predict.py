@@ -143,17 +143,30 @@ def _train_bar() -> Progress:
                     console=console)
 
 
+# The table shows top-1 at k = 1..TABLE_KS and at the horizon K; --json has every k.
+TABLE_KS = 5
+
+
+def table_ks(horizon: int) -> list[int]:
+    """The k columns of the table: 1..min(K, TABLE_KS), then K. Invariant: at most TABLE_KS + 1
+    columns, so every figure fits a 110-column console at any horizon (1..1024)."""
+    return list(range(1, min(horizon, TABLE_KS) + 1)) + ([horizon] if horizon > TABLE_KS else [])
+
+
 def _print_predict_table(rows) -> None:
     from rich.table import Table
 
-    k = max(int(key[6:]) for _, _, m in rows for key in m if key.startswith("top1_k"))
-    table = Table(title=f"next-agent prediction ({rows[0][2]['calls']} positions)")
-    for col in ["predictor"] + [f"top1@k{i}" for i in range(1, k + 1)] + ["end acc", "ECE", "us/call"]:
-        table.add_column(col, justify="left" if col == "predictor" else "right")
+    horizon = max(int(key[6:]) for _, _, m in rows for key in m if key.startswith("top1_k"))
+    ks = table_ks(horizon)
+    caption = None if ks == list(range(1, horizon + 1)) else \
+        f"top-1 at k = 1..{TABLE_KS} and {horizon}; --json FILE has every k"
+    table = Table(title=f"next-agent prediction ({rows[0][2]['calls']} positions)", caption=caption)
+    for col in ["predictor"] + [f"top1@k{i}" for i in ks] + ["end acc", "ECE", "us/call"]:
+        table.add_column(col, justify="left" if col == "predictor" else "right", no_wrap=True)
 
     def f(v, fmt="{:.3f}"):
         return "-" if v is None else fmt.format(v)
     for label, _, m in rows:
-        table.add_row(label, *[f(m.get(f"top1_k{i}")) for i in range(1, k + 1)], f(m["end_acc"]), f(m["ece"]),
+        table.add_row(label, *[f(m.get(f"top1_k{i}")) for i in ks], f(m["end_acc"]), f(m["ece"]),
                       f(m["us_per_call"], "{:.0f}"))
     console.print(table)
