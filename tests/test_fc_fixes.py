@@ -186,3 +186,18 @@ def test_predict_table_is_readable_at_large_horizons(monkeypatch):
         assert "…" not in text, text
         assert "top1@k1" in text and f"top1@k{k}" in text and f"{0.5 + k / 10_000:.3f}" in text, text
         assert "0.900" in text and "--json" in text, text
+
+
+# ---- repro/26: a test trace whose agents the predictors never saw is noted
+def test_predict_eval_notes_agents_the_predictors_never_saw(tmp_path):
+    train, test = _gen(tmp_path, "hover", 3), _gen(tmp_path, "swe", 3)
+    r = runner.invoke(app, ["predict-eval", "--train", str(train), "--test", str(test), "--epochs", "1"])
+    assert r.exit_code == 0, r.output
+    agents = [{json.loads(line)["agent"] for line in f.read_text().splitlines()[1:]} for f in (train, test)]
+    calls = [json.loads(line)["agent"] for line in test.read_text().splitlines()[1:]]
+    unseen = sum(a not in agents[0] for a in calls)
+    said = _one_line(r.output)
+    assert unseen and f"note: {unseen} of {len(calls)} positions have an agent the predictors never saw" in said, r.output
+    assert "code_searcher" in said, r.output
+    r = runner.invoke(app, ["predict-eval", "--train", str(train), "--test", str(train), "--epochs", "1"])
+    assert r.exit_code == 0 and "never saw" not in r.output, r.output

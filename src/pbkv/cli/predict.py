@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
@@ -79,18 +80,21 @@ def predict_eval(
                 if value is not None:   # not silently ignored: they shape a predictor trained here
                     fail(f"{option}: a saved --predictor is scored as it was trained; {option} is for "
                          f"predictors trained here (--train or --split)")
-            rows = _saved_rows(predictor, one, split, seed)
+            rows, note = _saved_rows(predictor, one, split, seed)
         else:
-            rows = _trained_rows(one, train, test, split, horizon or 3, epochs, seed)
+            rows, note = _trained_rows(one, train, test, split, horizon or 3, epochs, seed)
     _print_predict_table(rows)
+    if note:
+        console.print(f"note: {escape(note)}")
     if json_path:
         out = {prefix + k: v for _, prefix, m in rows for k, v in m.items()}
         save_json(json_path, out)
         console.print(f"results: {json_path}")
 
 
-def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> list[tuple[str, str, dict]]:
-    """(label, JSON key prefix, metrics) of a saved predictor and its Markov baseline."""
+def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> tuple[list[tuple[str, str, dict]], str | None]:
+    """(label, JSON key prefix, metrics) of a saved predictor and its Markov baseline; and the
+    `unseen_note` of the scored data."""
     from pbkv.predict import evaluate, load_predictor, split_by_task
     from pbkv.trace import read_trace
     from pbkv.trace.transform import require_both_parts
@@ -104,11 +108,11 @@ def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> list[tu
     rows = [(p.name, "", evaluate(p, data))]
     if p.markov is not None:
         rows.append(("markov", "markov_", evaluate(p.markov, data)))
-    return rows
+    return rows, unseen_note(set(p.agents), data)
 
 
-def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tuple[str, str, dict]]:
-    """Train the three variants and Markov here; their metrics on the test data."""
+def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> tuple[list[tuple[str, str, dict]], str | None]:
+    """Train the three variants and Markov here; their metrics on the test data, and its `unseen_note`."""
     from pbkv.predict import evaluate, fit_markov, split_by_task, train_predictor
     from pbkv.trace import read_trace
     from pbkv.trace.transform import require_both_parts
@@ -130,7 +134,21 @@ def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> list[tupl
             m["train_seconds"], m["parameters"] = p.info["train_seconds"], p.info["parameters"]
             rows.append((label, prefix, m))
     rows.append(("markov", "markov_", evaluate(fit_markov(fit, horizon), data)))
-    return rows
+    fits = fit if isinstance(fit, list) else [fit]   # --train: a list; --split: one half
+    return rows, unseen_note({c.agent for t in fits for c in t.calls}, data)
+
+
+def unseen_note(known: set[str], data) -> str | None:
+    """A note when calls of `data` have an agent outside `known` (the agents the predictors were
+    trained on): those positions are scored as the unknown agent, so a wrong test file reads as
+    0.000 everywhere unless told. None when every agent was seen."""
+    unseen = [c.agent for c in data.calls if c.agent not in known]
+    if not unseen:
+        return None
+    names = sorted(set(unseen))
+    listed = ", ".join(names[:5]) + (f", ... ({len(names)} agents)" if len(names) > 5 else "")
+    return (f"{len(unseen)} of {len(data.calls)} positions have an agent the predictors never saw ({listed}); "
+            f"they score as an unknown agent")
 
 
 def _require_calls(data, path) -> None:
