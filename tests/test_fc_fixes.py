@@ -201,3 +201,19 @@ def test_predict_eval_notes_agents_the_predictors_never_saw(tmp_path):
     assert "code_searcher" in said, r.output
     r = runner.invoke(app, ["predict-eval", "--train", str(train), "--test", str(train), "--epochs", "1"])
     assert r.exit_code == 0 and "never saw" not in r.output, r.output
+
+
+# ---- repro/28: trace stats of a trace mixing workloads does not claim one
+def test_stats_of_a_mixed_trace_name_every_workload(tmp_path):
+    from dataclasses import replace
+    from pbkv.trace import read_trace
+    from pbkv.trace.stats import format_stats, trace_stats
+    hover = read_trace(_gen(tmp_path, "hover", 2))
+    swe = [replace(c, workflow_id="s-" + c.workflow_id, workload="swe") for c in hover.calls]
+    mixed = replace(hover, calls=hover.calls + swe)
+    s = trace_stats(mixed)
+    assert s["workload"] is None and s["workloads"] == ["hover", "swe"], s
+    assert format_stats(s).splitlines()[0].endswith("(workloads: hover, swe)"), format_stats(s)
+    one = trace_stats(hover)
+    assert one["workload"] == "hover" and one["workloads"] == ["hover"]
+    assert format_stats(one).splitlines()[0] == "## hover"

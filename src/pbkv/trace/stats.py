@@ -8,6 +8,8 @@
 - H(next agent | current agent) in bits, without and with end-of-workflow as a next value;
 - with a `heldout` trace: Markov top-1 next-agent accuracy (fit on `trace`, scored on `heldout`),
   its end-of-workflow variant, and the `same` / `top` baselines.
+A trace whose calls name several workloads is reported as one, headed by its path and every
+workload's name (`workload` None, `workloads` lists them).
 `format_stats(stats)` renders that dict as plain-text lines, one '- ' line per figure.
 """
 
@@ -140,10 +142,20 @@ def markov_stats(fit: Trace, test: Trace) -> dict:
     return out
 
 
+def workload_names(trace: Trace) -> list[str]:
+    """The distinct `workload`s the calls name, sorted."""
+    return sorted({c.workload for c in trace.calls if c.workload})
+
+
 def workload_name(trace: Trace) -> str | None:
-    """The `workload` of the metadata line, else of the first call that names one."""
+    """The one workload of the trace: the `workload` of the metadata line, else the one the calls
+    name. None when the calls name more than one (the figures then mix workloads, and no single
+    name may head them) or none."""
+    names = workload_names(trace)
+    if len(names) > 1:
+        return None
     name = trace.meta.extra.get("workload")
-    return name if isinstance(name, str) else next((c.workload for c in trace.calls if c.workload), None)
+    return name if isinstance(name, str) else next(iter(names), None)
 
 
 def trace_stats(trace: Trace, heldout: Trace | None = None) -> dict:
@@ -154,6 +166,7 @@ def trace_stats(trace: Trace, heldout: Trace | None = None) -> dict:
     counts = Counter(c.agent for c in trace.calls)
     return {
         "workload": workload_name(trace),
+        "workloads": workload_names(trace),
         "path": trace.path,
         "block_size": trace.block_size,
         "workflows": len(wfs),
@@ -193,11 +206,18 @@ def _markov_line(m: dict) -> str:
             f"most-frequent {_acc(m['top'])}")
 
 
+def _heading(stats: dict) -> str:
+    """'## NAME': the workload, else the path; a trace mixing workloads names them all."""
+    head = f"## {stats['workload'] or stats['path'] or 'trace'}"
+    mixed = stats.get("workloads") or []
+    return head + (f" (workloads: {', '.join(mixed)})" if len(mixed) > 1 else "")
+
+
 def format_stats(stats: dict) -> str:
     """Plain-text report of a `trace_stats` dict, one '- ' line per figure."""
     agents = ", ".join(f"{a} ({n})" for a, n in stats["agent_calls"])
     lines = [
-        f"## {stats['workload'] or stats['path'] or 'trace'}",
+        _heading(stats),
         f"- workflows {stats['workflows']}, calls {stats['calls']}, "
         f"consecutive agent pairs {stats['pairs']}",
         f"- agents (calls): {agents}",
