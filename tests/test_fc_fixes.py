@@ -217,3 +217,21 @@ def test_stats_of_a_mixed_trace_name_every_workload(tmp_path):
     one = trace_stats(hover)
     assert one["workload"] == "hover" and one["workloads"] == ["hover"]
     assert format_stats(one).splitlines()[0] == "## hover"
+
+
+# ---- repro/11: --jobs N starts no more workers than there are cells
+def test_a_sweep_starts_at_most_one_worker_per_cell(monkeypatch):
+    from types import SimpleNamespace
+    import pytest
+    import pbkv.bench.sweep as sweep
+    started = []
+
+    class Pool:
+        def __init__(self, max_workers):
+            started.append(max_workers)
+            raise RuntimeError("stop here")
+    monkeypatch.setattr(sweep, "ProcessPoolExecutor", Pool)
+    cfg = SimpleNamespace(jobs=16, engine="sim", samples=1)
+    with pytest.raises(RuntimeError, match="stop here"):
+        sweep.run_sweep(cfg, jobs=[("a",), ("b",)])
+    assert started == [2]

@@ -181,7 +181,8 @@ def sweep_jobs(cfg: SweepConfig) -> list[tuple]:
 
 def run_sweep(cfg: SweepConfig, on_done=None, jobs: list[tuple] | None = None) -> list[dict]:
     """Run every configuration (`jobs`: `sweep_jobs(cfg)`, when the caller has them already);
-    `on_done(record)` is called as each finishes (any order)."""
+    `on_done(record)` is called as each finishes (any order). At most min(cfg.jobs, cells) worker
+    processes are started."""
     jobs = sweep_jobs(cfg) if jobs is None else jobs
     results: list[dict | None] = [None] * len(jobs)
     # real-engine runs go one after another in this process: one model load, and wall times
@@ -192,7 +193,7 @@ def run_sweep(cfg: SweepConfig, on_done=None, jobs: list[tuple] | None = None) -
             if on_done:
                 on_done(results[i])
     else:
-        with ProcessPoolExecutor(max_workers=cfg.jobs) as pool:
+        with ProcessPoolExecutor(max_workers=min(cfg.jobs, len(jobs))) as pool:  # a worker per cell at most
             futures = {pool.submit(_run_one, job): i for i, job in enumerate(jobs)}
             for fut in as_completed(futures):
                 results[futures[fut]] = fut.result()
