@@ -235,3 +235,16 @@ def test_a_sweep_starts_at_most_one_worker_per_cell(monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         sweep.run_sweep(cfg, jobs=[("a",), ("b",)])
     assert started == [2]
+
+
+# ---- repro/19: a spec file named *.YAML is a spec file in bench too
+def test_an_upper_case_spec_suffix_is_a_spec_file(tmp_path, monkeypatch):
+    from pbkv.bench.predictors import PredictorSource, cache_folder
+    from pbkv.bench.sweep import source_from_arg
+    monkeypatch.setenv("PBKV_CACHE", str(tmp_path / "cache"))
+    for name in ("MY.YAML", "my.Yml", "X.JSON"):
+        spec = tmp_path / name
+        spec.write_text("name: up\nagents:\n  a: {prompt: 100, output: 5}\ntask: {tokens: 50}\nflow: {start: a}\n")
+        source = source_from_arg(str(spec), 2, 0)
+        assert source.name == spec.stem, source
+        assert cache_folder(source, "fused", PredictorSource()).name.startswith(spec.stem + "-")

@@ -137,9 +137,10 @@ def code_version() -> str:
 def cache_folder(source, variant: str, psrc: PredictorSource) -> Path:
     """The cache entry of a generated workload's predictor: keyed by the workload's spec (its
     text for a spec file), training seed and size, variant, horizon, epochs and code version."""
+    from pbkv.bench.sweep import is_spec_file
     from pbkv.workloads.spec_files import BUILTIN_DIR
     spec = Path(source.spec)
-    text = (spec if spec.suffix in (".yaml", ".yml", ".json") else BUILTIN_DIR / f"{source.spec}.yaml").read_bytes()
+    text = (spec if is_spec_file(source.spec) else BUILTIN_DIR / f"{source.spec}.yaml").read_bytes()
     spec_hash = hashlib.sha256(text).hexdigest()[:8]
     name = (f"{source.name}-{spec_hash}-seed{source.seed + 1}-n{max(source.workflows, TRAIN_WORKFLOWS)}-{variant}"
             f"-k{psrc.horizon}-e{psrc.epochs or 'd'}-{code_version()}")

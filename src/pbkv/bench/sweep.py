@@ -236,12 +236,19 @@ def _round(v):
     return float(f"{v:.6g}") if isinstance(v, float) else v
 
 
+def is_spec_file(value: str) -> bool:
+    """Whether `value` names a spec file rather than a built-in workload: its suffix is one of
+    `spec_files.SUFFIXES` in any case, as the spec loader reads it (`MY.YAML` is a spec file)."""
+    from pbkv.workloads.spec_files import SUFFIXES
+    return Path(value).suffix.lower() in SUFFIXES
+
+
 def source_from_arg(value: str, workflows: int, seed: int) -> Source:
     """A built-in workload name, a spec file (.yaml/.yml/.json) or a trace (.jsonl/.jsonl.gz)."""
     path = Path(value)
     if value.endswith((".jsonl", ".jsonl.gz")):
         return trace_source(value)
-    name = path.stem if path.suffix in (".yaml", ".yml", ".json") else value
+    name = path.stem if is_spec_file(value) else value
     return Source(name=name, spec=value, workflows=workflows, seed=seed)
 
 
