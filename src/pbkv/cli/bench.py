@@ -10,7 +10,7 @@ import typer
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HorizonOpt, HostTokensOpt, JobsOpt,
                              JsonOpt, LoadRuleOpt, ModelOpt, OnlineOpt, OutOpt, OutputScaleOpt, PoliciesOpt,
                              PredictorOpt, ProfileOpt, RouterOpt, ScaleOpt, SeedOpt, ThreadsOpt, TracesOpt, TrainOpt,
-                             DebugOpt, check_exist, check_horizon, check_outputs, check_outside, concurrency_list,
+                             WorkflowsOpt, WorkloadOpt, DebugOpt, check_exist, check_horizon, check_outputs, check_outside, concurrency_list,
                              console, distinct, exit_on_error, fail, split, strs)
 
 ENGINES = ("sim", "hf", "vllm")
@@ -41,25 +41,15 @@ SamplesOpt = Annotated[int, typer.Option(
     help="Run each cell this many times, every tier 0.5% larger each time, and report the means and the range "
          "of speedups (--engine sim; a replay's latency moves ~1% with a few tokens of memory: "
          "pbkv.bench.samples).")]
+# bench and ablate: --workload and --workflows when not given (their declared default is None)
 BENCH_WORKLOADS, ABLATE_WORKLOADS, WORKFLOWS = "hover,swe,finance,dialogue", "hover,swe,finance", 400
 
 
-def workload_opt(default: str):
-    """--workload with no default value (None: not given, so it can be told apart from the
-    default when --trace is given too); the help shows `default`."""
-    return Annotated[Optional[str], typer.Option(
-        help="Built-in workload names or spec files (.yaml/.json), comma-separated; not with --trace.",
-        show_default=default)]
-
-
-BenchWorkflowsOpt = Annotated[Optional[int], typer.Option(
-    min=1, help="Workflows per generated workload; not with --trace (a trace is replayed whole).",
-    show_default=str(WORKFLOWS))]
 SharedLinkOpt = Annotated[str, typer.Option(help="How instances read the shared tier (a --link name; default nvme).")]
 
 
 def bench(
-    workload: workload_opt(BENCH_WORKLOADS) = None,
+    workload: WorkloadOpt = None,   # None: not given (told apart from the default when --trace is given)
     trace: TracesOpt = None,
     policies: PoliciesOpt = "lru,kvflow,continuum,scalesim,arc,slru,pbkv,oracle",
     concurrency: ConcurrencyOpt = "64",
@@ -69,7 +59,7 @@ def bench(
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
     disk_tokens: DiskTokensOpt = None,
-    workflows: BenchWorkflowsOpt = None,
+    workflows: WorkflowsOpt = None,
     seed: SeedOpt = 0,
     train: TrainOpt = None,
     predictor: PredictorOpt = None,
@@ -141,13 +131,13 @@ def regime_args(pressure: str, tiers: str) -> dict:
 
 
 def ablate(
-    workload: workload_opt(ABLATE_WORKLOADS) = None,
+    workload: WorkloadOpt = None,
     trace: TracesOpt = None,
     concurrency: ConcurrencyOpt = "64,96,128",
     profile: ProfileOpt = "a6000-qwen3-32b",
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
-    workflows: BenchWorkflowsOpt = None,
+    workflows: WorkflowsOpt = None,
     seed: SeedOpt = 0,
     train: TrainOpt = None,
     horizon: HorizonOpt = None,

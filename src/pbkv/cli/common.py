@@ -48,8 +48,9 @@ MODEL_HELP = ("Language model: 'tiny' (random small Llama, byte tokenizer), 'smo
 
 # ---- inputs
 WorkloadOpt = Annotated[str, typer.Option(
-    help="Built-in workload name or spec file (.yaml/.json); bench and ablate take several, comma-separated; "
-         "simcheck also a trace file.")]
+    help="Built-in workload name or spec file (.yaml/.json); bench and ablate take several, comma-separated "
+         "(default: bench hover,swe,finance,dialogue; ablate hover,swe,finance; not with --trace); simcheck also a "
+         "trace file.")]
 TracesOpt = Annotated[Optional[list[Path]], typer.Option(
     "--trace", help="Trace file (repeatable): bench and ablate replay these instead of generating; train trains "
                     "on them; predict-eval evaluates on one.")]
@@ -57,7 +58,8 @@ TrainOpt = Annotated[Optional[list[Path]], typer.Option(
     "--train", help="Train the predictor(s) on these traces (repeatable). Policies that predict (pbkv*) need a "
                     "predictor: trained on --train, loaded from --predictor, or (generated workloads) trained on "
                     "the generator with seed + 1.")]
-WorkflowsOpt = Annotated[int, typer.Option(min=1, help="Workflows per generated workload.")]
+WorkflowsOpt = Annotated[int, typer.Option(min=1, help=(
+    "Workflows per generated workload (bench and ablate: 400; not with --trace, which is replayed whole)."))]
 # 0 .. 2**63-1: torch.manual_seed takes at most 2**64-1, and a derived seed (bench trains on seed + 1) stays in range
 SEED_MAX = 2 ** 63 - 1
 SeedOpt = Annotated[int, typer.Option(min=0, max=SEED_MAX, help=(
