@@ -1,9 +1,8 @@
 """Rewrite traces: split one by task, or strip its workflow structure.
 
 - `split_by_task`: two traces with no task in both (grouped by the task line of the first
-  call's context when there is one, else by workflow; see `task_groups`), groups taken in the
-  order of a hash so the split is stable across runs and machines, sized to the test fraction as
-  closely as the groups allow; each part's metadata says which part it is and drops
+  call's context when there is one, else by workflow; see `task_groups`), each group's side
+  chosen by a hash of it, so the split is stable across runs and machines; each part's metadata says which part it is and drops
   whole-file counts (`part_meta`);
 - `flatten`: every call becomes its own one-call workflow (same prompts, same order): a trace
   with no workflow structure, on which a workflow-aware policy must not lose to LRU.
@@ -43,18 +42,17 @@ def task_groups(trace: Trace) -> dict[str, list[str]]:
 
 
 def split_by_task(trace: Trace, test_fraction: float = 0.5, seed: int = 0) -> tuple[Trace, Trace]:
-    """(train, test) with no task group in both (`task_groups`). Groups are taken in the order of
-    sha1(seed:key), the same in every process, and each goes to test when that brings the test
-    part's workflow count nearer to test_fraction x all workflows: the fraction is met as closely as
-    the groups' sizes allow (0 puts nothing in test, 1 everything). Calls keep file order."""
+    """(train, test) with no task group in both (`task_groups`): a group is in test iff
+    sha1(seed:key) / 2^160 < test_fraction, so the split is the same in every process and a
+    group's side never depends on the other groups (the halves of the real traces that published
+    figures were measured on stay as they were). Few groups may miss the fraction. Calls keep
+    file order."""
     if not 0 <= test_fraction <= 1:
         raise ValueError(f"test_fraction must be in [0, 1], got {test_fraction}")
-    groups = task_groups(trace)
-    target = test_fraction * sum(len(wfs) for wfs in groups.values())
     test_ids: set[str] = set()
-    for key in sorted(groups, key=lambda k: hashlib.sha1(f"{seed}:{k}".encode()).hexdigest()):
-        if abs(len(test_ids) + len(groups[key]) - target) < abs(len(test_ids) - target):
-            test_ids.update(groups[key])
+    for key, wfs in task_groups(trace).items():
+        if int(hashlib.sha1(f"{seed}:{key}".encode()).hexdigest(), 16) / 16 ** 40 < test_fraction:
+            test_ids.update(wfs)
     parts = []
     for name, calls in (("train", [c for c in trace.calls if c.workflow_id not in test_ids]),
                         ("test", [c for c in trace.calls if c.workflow_id in test_ids])):
