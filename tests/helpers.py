@@ -68,3 +68,15 @@ class FakePredictor:
 
     def predict_batch(self, items):
         return [self.predict(h, c) for h, c in items]
+
+
+def invoke(*args):
+    """`pbkv ARGS...` through typer's runner (arguments as strings)."""
+    from typer.testing import CliRunner
+    from pbkv.cli import app
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def flat(output: str) -> str:
+    """`output` with rich's panel borders and line wrapping taken out (one line, single spaces)."""
+    return " ".join(output.replace("│", " ").split())

@@ -8,22 +8,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from typer.testing import CliRunner
 
 import pbkv.bench.simcheck
 import pbkv.engine.hf.calibrate
-from pbkv.cli import app
+from helpers import flat, invoke
 from pbkv.engine.profiles import load_profile
 
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def flat(output: str) -> str:
-    return " ".join(output.replace("│", " ").split())
 
 
 @pytest.fixture

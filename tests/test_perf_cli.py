@@ -4,20 +4,10 @@ refused before any work (exit 2), as `pbkv bench` refuses a missing one."""
 from __future__ import annotations
 
 import pytest
-from typer.testing import CliRunner
 
 import pbkv.bench.perf
-from pbkv.cli import app
+from helpers import flat, invoke
 
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def flat(output: str) -> str:
-    return " ".join(output.replace("│", " ").split())
 
 
 @pytest.fixture

@@ -4,20 +4,10 @@ replaying anything (exit 2, one error line), and the title says what was replaye
 from __future__ import annotations
 
 import pytest
-from typer.testing import CliRunner
 
 import pbkv.bench.simcheck
-from pbkv.cli import app
+from helpers import flat, invoke
 
-runner = CliRunner()
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def flat(output: str) -> str:
-    return " ".join(output.replace("│", " ").split())
 
 
 @pytest.fixture

@@ -34,11 +34,11 @@ unlocked and not on the device.
 
 from __future__ import annotations
 
-from itertools import islice
 
 from pbkv.cache import Node, Tier
 from pbkv.policy import conservative_prefetch
 from pbkv.policy.base import PrefetchRequest
+from pbkv.policy.new_tags import new_tags
 from pbkv.policy.retired_space import RetiredSpace
 from pbkv.policy.reuse_score import ReuseScores
 from pbkv.policy.staleness import Staleness
@@ -155,15 +155,10 @@ class PrefetchCandidates:
         """Move back to `offloaded` the dormant nodes tagged since the last scan: the entries
         each live workflow's `tags` gained since then (a workflow id used again gets a new
         dict, seen from its start)."""
-        dormant, marks = self.dormant, self.marks
-        for workflow, nodes in self.tags.items():
-            mark = marks.get(workflow)
-            seen = mark[1] if mark is not None and mark[0] is nodes else 0
-            if len(nodes) == seen:
-                continue
-            marks[workflow] = (nodes, len(nodes))
+        dormant = self.dormant
+        for fresh in new_tags(self.tags, self.marks):
             if dormant:
-                for node_id in islice(nodes, seen, None):
+                for node_id in fresh:
                     if node_id in dormant:
                         self.offloaded[node_id] = dormant.pop(node_id)
 

@@ -24,9 +24,9 @@ passed. Until `bind` gives it a tree to watch, every reading scans all members (
 
 from __future__ import annotations
 
-from itertools import islice
 
 from pbkv.cache import Node, Tier
+from pbkv.policy.new_tags import new_tags
 from pbkv.policy.reuse_score import ReuseScores
 
 
@@ -102,14 +102,9 @@ class RetiredSpace:
     def _find_tagged(self) -> None:
         """Mark the members among the entries each live workflow's `tags` gained since the last
         reading (a workflow id used again gets a new dict, seen from its start)."""
-        members, marks = self.members, self.marks
-        for workflow, nodes in self.tags.items():
-            mark = marks.get(workflow)
-            seen = mark[1] if mark is not None and mark[0] is nodes else 0
-            if len(nodes) == seen:
-                continue
-            marks[workflow] = (nodes, len(nodes))
-            for node_id in islice(nodes, seen, None):
+        members = self.members
+        for fresh in new_tags(self.tags, self.marks):
+            for node_id in fresh:
                 if node_id in members:
                     self.suspects[node_id] = members[node_id]
 
