@@ -1,13 +1,15 @@
 """Spec files: load a workflow spec from a built-in name, a YAML or JSON file, or a dict.
 
 Every problem becomes one `SpecError` whose lines read "FILE: field.path[i].name: what is wrong
-(got VALUE)" (a YAML or JSON syntax error: "FILE:LINE: ..."); a repeated YAML key is an error,
-not silently the last one. What a valid spec is: `spec.py`.
+(got VALUE)" (a YAML or JSON syntax error: "FILE:LINE: ..."); a repeated key (YAML or JSON) is an
+error, not silently the last one. What a valid spec is: `spec.py`.
 """
 
 from __future__ import annotations
 
 import json
+from json.decoder import WHITESPACE, JSONObject, scanstring
+from json.scanner import py_make_scanner
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,42 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _key_offset(s: str, start: int, index: int, strict: bool, scan_once) -> int:
+    """Offset of the `index`-th key of the (already parsed, so well-formed) JSON object at `start`."""
+    pos = start
+    for _ in range(index):
+        _, pos = scanstring(s, WHITESPACE.match(s, pos).end() + 1, strict)
+        _, pos = scan_once(s, WHITESPACE.match(s, WHITESPACE.match(s, pos).end() + 1).end())
+        pos = WHITESPACE.match(s, pos).end() + 1  # past the ','
+    return WHITESPACE.match(s, pos).end()
+
+
+def _unique_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+    """json's object parser, refusing a repeated key (JSONDecodeError at the repeated key's line)."""
+    s, start = s_and_end
+    pairs, end = JSONObject(s_and_end, strict, scan_once, None, list, memo)
+    seen = set()
+    for i, (key, _) in enumerate(pairs):
+        if key in seen:
+            raise json.JSONDecodeError(f"duplicate key {show(key)}", s, _key_offset(s, start, i, strict, scan_once))
+        seen.add(key)
+    return dict(pairs), end
+
+
+class _UniqueKeyDecoder(json.JSONDecoder):
+    """JSONDecoder that rejects a repeated key (plain `json.loads` keeps the last one silently)."""
+
+    def __init__(self):
+        super().__init__()
+        self.parse_object = _unique_object
+        self.scan_once = py_make_scanner(self)  # the C scanner would not call parse_object
+
+
+def _parse(raw: str, is_json: bool) -> Any:
+    """Parsed spec text; a repeated key is an error in both formats."""
+    return _UniqueKeyDecoder().decode(raw) if is_json else yaml.load(raw, Loader=_UniqueKeyLoader)
+
+
 def load_spec(name_or_path: str | Path) -> WorkflowSpec:
     """Load a built-in spec by name (`hover`) or a spec file (.yaml, .yml or .json)."""
     text = str(name_or_path)
@@ -93,7 +131,7 @@ def load_spec(name_or_path: str | Path) -> WorkflowSpec:
             raise SpecError(f"{text}: no such spec file")
     raw = read_text(path, source, SpecError)
     try:
-        data = json.loads(raw) if path.suffix.lower() == ".json" else yaml.load(raw, Loader=_UniqueKeyLoader)
+        data = _parse(raw, path.suffix.lower() == ".json")
     except json.JSONDecodeError as e:
         raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
     except yaml.YAMLError as e:
