@@ -33,3 +33,32 @@ def test_json_repeated_key_is_an_error_naming_its_line(tmp_path):
     with pytest.raises(SpecError, match=r"/n.json:1: not valid JSON: duplicate key 'tokens'$"):
         load_spec(write(tmp_path, "n.json", nested))
     assert load_spec(write(tmp_path, "ok.json", json.dumps(small()))).agents["a"].prompt == 100
+
+
+@pytest.mark.parametrize("name, text", [
+    ("deep.json", "[" * 100_000 + "]" * 100_000),
+    ("deep.yaml", "a: " + "[" * 50_000 + "]" * 50_000 + "\n"),
+    ("deep2.json", json.dumps({**small(), "description": json.loads("[" * 200 + "]" * 200)})),
+])
+def test_deeply_nested_files_are_refused(tmp_path, name, text):
+    with pytest.raises(SpecError, match=rf"{name}: nested too deeply \(more than \d+ levels\)$"):
+        load_spec(write(tmp_path, name, text))
+
+
+@pytest.mark.parametrize("p, expected", [
+    ("+".join(["0.1"] * 50_000), "an expression of 199,999 characters (at most 1000)"),
+    ("not " * 5000 + "step", "an expression of 20,004 characters (at most 1000)"),
+    ("-" * 20_000 + "1", "an expression of 20,001 characters (at most 1000)"),
+    ("(" * 5000 + "1" + ")" * 5000, "an expression of 10,001 characters (at most 1000)"),
+    ("+".join(["0.1"] * 240), "nested too deeply"),
+    ("not " * 240 + "step", "nested too deeply"),
+    ("-" * 900 + "1", "nested too deeply"),
+    ("(" * 400 + "1" + ")" * 400, "too many nested parentheses"),
+])
+def test_long_or_deep_expressions_are_clear_short_errors(tmp_path, p, expected):
+    spec = small(max_steps=10, transitions={"a": [{"to": "a", "p": p}, {"to": "END", "p": 0.3}]})
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, "e.json", json.dumps(spec)))
+    msg = str(err.value)
+    assert "e.json: flow.transitions.a[0].p: " in msg and expected in msg
+    assert len(msg.split("e.json: ", 1)[1]) < 250  # the expression is shown cut, not in full

@@ -18,6 +18,8 @@ Invariants of a compiled `Expr`:
 - a string or list it builds with `+` or `*` has at most MAX_ITEMS items: a longer one is refused
   before it is built (when the operands are constants, already at compile time).
 Values shown in error messages are cut to SHOW_WIDTH characters (`show`).
+An expression has at most MAX_SOURCE characters and MAX_DEPTH levels of nesting, so parsing,
+checking and evaluating it never run out of stack or memory (a longer or deeper one is an ExprError).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 # to build (and its repr would flood the error message that rejects it).
 MAX_ITEMS = 1000
 SHOW_WIDTH = 60
+MAX_SOURCE = 1000  # characters of an expression; real ones are a line
+MAX_DEPTH = 100  # levels of its syntax tree (`0.1+0.1+...` nests one level per `+`)
 _SEQUENCES = (str, tuple)  # what an expression can build: strings, and lists (evaluated as tuples)
 
 Env = Mapping[str, object]
@@ -93,14 +97,38 @@ def compile_expr(source: str, dicts: Mapping[str, Collection[str] | None], scala
     dict_default: namespace -> value for a key missing at run time with a computed subscript
     (e.g. `visits[last]` -> 0); other namespaces raise on a missing key.
     """
-    if not isinstance(source, str) or not source.strip():
-        raise ExprError("empty expression")
-    try:
-        tree = ast.parse(source.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ExprError(f"syntax error at column {e.offset or 0}: {e.msg}") from None
+    tree = _parse(source)
     builder = _Builder(dicts, set(scalars), choices or {}, dict_default or {})
     return Expr(source, builder.build(tree.body))
+
+
+def _parse(source: object) -> ast.Expression:
+    """The checked syntax tree of `source`: a non-empty string of at most MAX_SOURCE characters
+    whose tree is at most MAX_DEPTH levels deep."""
+    if not isinstance(source, str) or not source.strip():
+        raise ExprError("empty expression")
+    text = source.strip()
+    if len(text) > MAX_SOURCE:
+        raise ExprError(f"an expression of {len(text):,} characters (at most {MAX_SOURCE})")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError as e:
+        raise ExprError(f"syntax error at column {e.offset or 0}: {e.msg}") from None
+    except (RecursionError, MemoryError):
+        raise ExprError(f"nested too deeply (at most {MAX_DEPTH} levels)") from None
+    if _depth(tree.body) > MAX_DEPTH:
+        raise ExprError(f"nested too deeply (at most {MAX_DEPTH} levels)")
+    return tree
+
+
+def _depth(root: ast.AST) -> int:
+    """Levels of the tree under `root` (1 for a leaf), counted without recursion."""
+    deepest, stack = 0, [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
 
 
 class _Builder:

@@ -28,7 +28,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from pbkv.workloads.expr import Expr, ExprError, compile_expr
+from pbkv.workloads.expr import Expr, ExprError, compile_expr, show
 
 END, START = "END", "START"
 REST = "rest"  # p of the remaining probability: max(0, 1 - sum of the list's other p's)
@@ -235,7 +235,7 @@ class WorkflowSpec(_Model):
                     try:
                         self.compile_p(t.p)
                     except ExprError as e:
-                        yield f"{path}[{i}].p: {e} in {t.p!r}"
+                        yield f"{path}[{i}].p: {e} in {show(t.p)}"
 
     # ------------------------------------------------------------ helpers for the generator
     def compile_p(self, p: float | str) -> float | Expr | None:

@@ -2,7 +2,8 @@
 
 Every problem becomes one `SpecError` whose lines read "FILE: field.path[i].name: what is wrong
 (got VALUE)" (a YAML or JSON syntax error: "FILE:LINE: ..."); a repeated key (YAML or JSON) is an
-error, not silently the last one. What a valid spec is: `spec.py`.
+error, not silently the last one. Data nested more than MAX_NESTING levels is refused before it is
+validated, so no check recurses without bound. What a valid spec is: `spec.py`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from json.decoder import WHITESPACE, JSONObject, scanstring
 from json.scanner import py_make_scanner
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 from pydantic import ValidationError
@@ -22,6 +23,7 @@ from pbkv.workloads.spec import WorkflowSpec
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 SUFFIXES = (".yaml", ".yml", ".json")
+MAX_NESTING = 32  # levels of lists and mappings; a spec needs 7 (task.vars.NAME.words.VALUE[i])
 
 
 class SpecError(ValueError):
@@ -58,10 +60,36 @@ def _format(source: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _nodes(data: Any) -> Iterator[tuple[int, Any]]:
+    """(depth, value) of every value and mapping key in `data` (depth 0: `data`), without recursion."""
+    stack = [(0, data)]
+    while stack:
+        depth, v = stack.pop()
+        yield depth, v
+        if isinstance(v, dict):
+            for k, x in v.items():
+                yield depth + 1, k
+                stack.append((depth + 1, x))
+        elif isinstance(v, list):
+            stack.extend((depth + 1, x) for x in v)
+
+
+def _check_tree(data: Any, source: str):
+    """Refuse data no valid spec looks like, before validating it: nested more than MAX_NESTING levels."""
+    for depth, _ in _nodes(data):
+        if depth > MAX_NESTING:
+            raise SpecError(_too_deep(source))
+
+
+def _too_deep(source: str) -> str:
+    return f"{source}: nested too deeply (more than {MAX_NESTING} levels)"
+
+
 def parse_spec(data: Any, source: str = "<spec>") -> WorkflowSpec:
     """Validate a dict (parsed YAML/JSON) into a `WorkflowSpec`; errors name `source` and field paths."""
     if not isinstance(data, dict):
         raise SpecError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    _check_tree(data, source)
     try:
         return WorkflowSpec.model_validate(data)
     except ValidationError as e:
@@ -138,4 +166,6 @@ def load_spec(name_or_path: str | Path) -> WorkflowSpec:
         mark = getattr(e, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark else source
         raise SpecError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise SpecError(_too_deep(source)) from None
     return parse_spec(data, source)
