@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
 from pbkv.workloads import SpecError, load_spec
+from pbkv.workloads.expr import show
 
 AGENT = {"prompt": 100, "output": 10}
 
@@ -62,3 +64,30 @@ def test_long_or_deep_expressions_are_clear_short_errors(tmp_path, p, expected):
     msg = str(err.value)
     assert "e.json: flow.transitions.a[0].p: " in msg and expected in msg
     assert len(msg.split("e.json: ", 1)[1]) < 250  # the expression is shown cut, not in full
+
+
+def laughs(levels: int) -> str:
+    """A YAML "billion laughs": `levels` lists of 9 aliases of the one before (9**levels strings)."""
+    rows = ['  - &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    rows += [f"  - &l{k} [{','.join([f'*l{k - 1}'] * 9)}]" for k in range(1, levels)]
+    return "name: bomb\ndescription:\n" + "\n".join(rows) + "\nagents: {a: {prompt: 10, output: 1}}\n" \
+           "task: {tokens: 1}\nflow: {start: a}\n"
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError, match=r"bomb.yaml: more than 100,000 values \(YAML aliases"):
+        load_spec(write(tmp_path, "bomb.yaml", laughs(9)))
+    assert time.perf_counter() - t0 < 2
+
+
+def test_show_builds_at_most_about_its_width():
+    x = ["lol"] * 9
+    for _ in range(9):
+        x = [x] * 9  # 9**10 strings by reference: a full repr would take gigabytes
+    t0 = time.perf_counter()
+    assert show(x) == "[" * 10 + "'lol', " * 6 + "'lol'..." and time.perf_counter() - t0 < 0.1
+    for v in [1, -2.5, None, True, "it's", ("a",), (), [], {}, {1: [2, (3,)], "k": {"v": None}}, "x" * 80,
+              list(range(50)), [[1, 2]] * 30, float("nan"), {"a"}]:
+        full = repr(v)
+        assert show(v) == (full if len(full) <= 60 else full[:57] + "..."), v

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import ast
 import operator
-from typing import Callable, Collection, Mapping
+from typing import Callable, Collection, Iterator, Mapping
 
 FUNCTIONS: dict[str, Callable] = {"min": min, "max": max}
 
@@ -51,9 +51,35 @@ class ExprError(ValueError):
 
 
 def show(v: object, width: int = SHOW_WIDTH) -> str:
-    """`repr(v)`, cut to `width` characters (ending in '...') so an error message stays one line."""
-    text = repr(v)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    """`repr(v)`, cut to `width` characters (ending in '...') so an error message stays one line.
+
+    Builds little more than `width` characters however large `v` is (a list of aliases of lists,
+    as a YAML "billion laughs" gives, would have a repr of gigabytes)."""
+    text = ""
+    for piece in _repr_pieces(v, width):
+        text += piece
+        if len(text) > width:
+            return text[:width - 3] + "..."
+    return text
+
+
+def _repr_pieces(v: object, width: int) -> Iterator[str]:
+    """`repr(v)` in pieces, lazily: lists, tuples and dicts item by item, a long string cut."""
+    kind = type(v)
+    if kind is str and len(v) > width:
+        yield repr(v[:width])[:-1]  # no closing quote: the text goes on
+    elif kind in (list, tuple, dict) and v:
+        yield "[" if kind is list else "(" if kind is tuple else "{"
+        for i, item in enumerate(v.items() if kind is dict else v):
+            yield ", " if i else ""
+            if kind is dict:
+                yield from _repr_pieces(item[0], width)
+                yield ": "
+                item = item[1]
+            yield from _repr_pieces(item, width)
+        yield "]" if kind is list else "}" if kind is dict else ",)" if len(v) == 1 else ")"
+    else:
+        yield repr(v)
 
 
 def _built_length(op: Callable, a: object, b: object) -> int | None:

@@ -2,8 +2,9 @@
 
 Every problem becomes one `SpecError` whose lines read "FILE: field.path[i].name: what is wrong
 (got VALUE)" (a YAML or JSON syntax error: "FILE:LINE: ..."); a repeated key (YAML or JSON) is an
-error, not silently the last one. Data nested more than MAX_NESTING levels is refused before it is
-validated, so no check recurses without bound. What a valid spec is: `spec.py`.
+error, not silently the last one. Data nested more than MAX_NESTING levels, or with more than
+MAX_NODES values once YAML aliases are expanded, is refused before it is validated, so no check
+recurses or loops without bound. What a valid spec is: `spec.py`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from pbkv.workloads.spec import WorkflowSpec
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 SUFFIXES = (".yaml", ".yml", ".json")
 MAX_NESTING = 32  # levels of lists and mappings; a spec needs 7 (task.vars.NAME.words.VALUE[i])
+# values (keys included) of a spec, counted with YAML aliases expanded: a 0.5 KB "billion laughs" file
+# expands to 9**9 strings, which validating or showing in an error would take gigabytes to go through
+MAX_NODES = 100_000
 
 
 class SpecError(ValueError):
@@ -75,10 +79,13 @@ def _nodes(data: Any) -> Iterator[tuple[int, Any]]:
 
 
 def _check_tree(data: Any, source: str):
-    """Refuse data no valid spec looks like, before validating it: nested more than MAX_NESTING levels."""
-    for depth, _ in _nodes(data):
+    """Refuse data no valid spec looks like, before validating it: nested more than MAX_NESTING
+    levels, or more than MAX_NODES values (aliases counted each time they are used)."""
+    for n, (depth, _) in enumerate(_nodes(data)):
         if depth > MAX_NESTING:
             raise SpecError(_too_deep(source))
+        if n >= MAX_NODES:
+            raise SpecError(f"{source}: more than {MAX_NODES:,} values (YAML aliases count once per use)")
 
 
 def _too_deep(source: str) -> str:
