@@ -91,3 +91,14 @@ def test_show_builds_at_most_about_its_width():
               list(range(50)), [[1, 2]] * 30, float("nan"), {"a"}]:
         full = repr(v)
         assert show(v) == (full if len(full) <= 60 else full[:57] + "..."), v
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"name": "sur", "agents": {"a\\ud800": {"prompt": 100, "output": 10}}, "task": {"tokens": 50}, '
+     '"flow": {"start": "a\\ud800"}}', r"sur.json: agents: the name 'a\ud800' holds a lone surrogate"),
+    (json.dumps(small()).replace('"tokens": 50', '"tokens": 50, "text": "x\\udc00y"'),
+     r"sur.json: task.text: 'x\udc00y' holds a lone surrogate \(not valid Unicode text\)$"),
+])
+def test_lone_surrogates_are_refused_at_load(tmp_path, text, expected):
+    with pytest.raises(SpecError, match=expected.replace("\\u", "\\\\u")):
+        load_spec(write(tmp_path, "sur.json", text))

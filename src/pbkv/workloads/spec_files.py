@@ -64,28 +64,44 @@ def _format(source: str, err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def _nodes(data: Any) -> Iterator[tuple[int, Any]]:
-    """(depth, value) of every value and mapping key in `data` (depth 0: `data`), without recursion."""
-    stack = [(0, data)]
+def _nodes(data: Any) -> Iterator[tuple[tuple, Any, bool]]:
+    """(path, value, is_key) of every value and mapping key in `data`, in file order, without
+    recursion; a key's path is its mapping's, a value's is its mapping's plus its key (or index)."""
+    stack: list[tuple[tuple, Any]] = [((), data)]
     while stack:
-        depth, v = stack.pop()
-        yield depth, v
+        path, v = stack.pop()
+        yield path, v, False
         if isinstance(v, dict):
-            for k, x in v.items():
-                yield depth + 1, k
-                stack.append((depth + 1, x))
+            for k in v:
+                yield path, k, True
+            stack.extend(((*path, k), x) for k, x in reversed(v.items()))  # popped in file order
         elif isinstance(v, list):
-            stack.extend((depth + 1, x) for x in v)
+            stack.extend(((*path, i), x) for i, x in reversed(list(enumerate(v))))
 
 
 def _check_tree(data: Any, source: str):
     """Refuse data no valid spec looks like, before validating it: nested more than MAX_NESTING
-    levels, or more than MAX_NODES values (aliases counted each time they are used)."""
-    for n, (depth, _) in enumerate(_nodes(data)):
-        if depth > MAX_NESTING:
+    levels, more than MAX_NODES values (aliases counted each time they are used), or a string
+    that is not valid Unicode text (a lone surrogate, which JSON's \\ud800 escape can give: the
+    trace it would be written to could not be read back)."""
+    for n, (path, v, is_key) in enumerate(_nodes(data)):
+        if len(path) > MAX_NESTING:
             raise SpecError(_too_deep(source))
         if n >= MAX_NODES:
             raise SpecError(f"{source}: more than {MAX_NODES:,} values (YAML aliases count once per use)")
+        if isinstance(v, str) and not _unicode(v):
+            what = f"the name {show(v)}" if is_key else show(v)
+            raise SpecError(f"{source}: {_path(path) or 'top level'}: {what} holds a lone surrogate "
+                            f"(not valid Unicode text)")
+
+
+def _unicode(text: str) -> bool:
+    """Whether `text` is valid Unicode text (encodable as UTF-8: no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _too_deep(source: str) -> str:
