@@ -6,8 +6,9 @@ import json
 import time
 
 import pytest
+import yaml
 
-from pbkv.workloads import SpecError, load_spec
+from pbkv.workloads import SpecError, load_spec, parse_spec
 from pbkv.workloads.expr import show
 
 AGENT = {"prompt": 100, "output": 10}
@@ -102,3 +103,26 @@ def test_show_builds_at_most_about_its_width():
 def test_lone_surrogates_are_refused_at_load(tmp_path, text, expected):
     with pytest.raises(SpecError, match=expected.replace("\\u", "\\\\u")):
         load_spec(write(tmp_path, "sur.json", text))
+
+
+MERGE = """name: mrg
+agents:
+  a: &base {prompt: 100, output: 10, tool: {tokens: 5}}
+  b:
+    <<: *base
+    prompt: 200
+  c: {<<: [*base, {output: 7}], sees: [a]}
+task: {tokens: 50}
+flow: {start: a, transitions: {a: [{to: b}], b: [{to: c}]}}
+"""
+
+
+def test_yaml_merge_keys_read_as_safe_load_reads_them(tmp_path):
+    spec = load_spec(write(tmp_path, "merge.yaml", MERGE))
+    assert spec.agents["b"].prompt == 200 and spec.agents["b"].output == (10, 10)
+    assert spec.agents["b"].tool.tokens == (5, 5) and spec.agents["a"].prompt == 100
+    assert spec.agents["c"].prompt == 100 and spec.agents["c"].output == (7, 7) and spec.agents["c"].sees == ["a"]
+    assert spec.agents == parse_spec(yaml.safe_load(MERGE)).agents
+    twice = MERGE.replace("    prompt: 200\n", "    prompt: 200\n    prompt: 300\n")
+    with pytest.raises(SpecError, match=r"merge.yaml:7: not valid YAML: duplicate key 'prompt'"):
+        load_spec(write(tmp_path, "merge.yaml", twice))

@@ -28,6 +28,7 @@ MAX_NESTING = 32  # levels of lists and mappings; a spec needs 7 (task.vars.NAME
 # values (keys included) of a spec, counted with YAML aliases expanded: a 0.5 KB "billion laughs" file
 # expands to 9**9 strings, which validating or showing in an error would take gigabytes to go through
 MAX_NODES = 100_000
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class SpecError(ValueError):
@@ -120,11 +121,15 @@ def parse_spec(data: Any, source: str = "<spec>") -> WorkflowSpec:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a repeated key (plain YAML keeps the last one silently)."""
+    """SafeLoader that rejects a repeated key (plain YAML keeps the last one silently). Merge keys
+    (`<<: *base`) read as `yaml.safe_load` reads them: a key written in the mapping may override
+    a merged one, but not another key written in the mapping."""
 
     def construct_mapping(self, node, deep=False):
+        own = sum(key_node.tag != _MERGE_TAG for key_node, _ in node.value)
+        self.flatten_mapping(node)  # merged pairs first, then the mapping's own ones
         seen = set()
-        for key_node, _ in node.value:
+        for key_node, _ in node.value[len(node.value) - own:]:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
