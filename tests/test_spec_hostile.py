@@ -126,3 +126,20 @@ def test_yaml_merge_keys_read_as_safe_load_reads_them(tmp_path):
     twice = MERGE.replace("    prompt: 200\n", "    prompt: 200\n    prompt: 300\n")
     with pytest.raises(SpecError, match=r"merge.yaml:7: not valid YAML: duplicate key 'prompt'"):
         load_spec(write(tmp_path, "merge.yaml", twice))
+
+
+@pytest.mark.parametrize("key", ["[a, b]", "{x: 1}"])
+def test_yaml_unhashable_key_is_not_valid_yaml(tmp_path, key):
+    text = f"name: k\nagents:\n  {key}: {{prompt: 100, output: 10}}\ntask: {{tokens: 50}}\nflow: {{start: a}}\n"
+    with pytest.raises(SpecError, match=r"k.yaml:3: not valid YAML: found unhashable key"):
+        load_spec(write(tmp_path, "k.yaml", text))
+
+
+def test_a_key_of_the_wrong_type_is_named_as_a_key(tmp_path):
+    text = "name: k\nagents:\n  1: {prompt: 100, output: 10}\n  null: {prompt: 100, output: 10}\n" \
+           "task: {tokens: 50}\nflow: {start: '1'}\n"
+    with pytest.raises(SpecError) as err:
+        load_spec(write(tmp_path, "k.yaml", text))
+    lines = [line.split("k.yaml: ", 1)[1] for line in str(err.value).splitlines()]
+    assert lines == ["agents: key 1: Input should be a valid string (got 1)",
+                     "agents: key None: Input should be a valid string (got None)"]

@@ -40,6 +40,15 @@ def builtin_names() -> list[str]:
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.yaml"))
 
 
+def _where(err: dict) -> str:
+    """Where a pydantic error is: `agents.a.sees[0]`; a wrong mapping key (loc `(..., key, '[key]')`,
+    the key itself the input) as `agents: key 1`, not as a list index or a field."""
+    loc = err["loc"]
+    if len(loc) >= 2 and loc[-1] == "[key]":  # pydantic writes a None key as 'None': show the input
+        return f"{_path(loc[:-2])}: key {show(err['input'])}"
+    return _path(loc)
+
+
 def _path(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -61,7 +70,7 @@ def _format(source: str, err: ValidationError) -> str:
         elif e["type"] == "extra_forbidden":
             lines.append(f"{source}: {_path(e['loc'])}: unknown field (check the spelling)")
         else:
-            lines.append(f"{source}: {_path(e['loc'])}: {msg} (got {show(e['input'])})")
+            lines.append(f"{source}: {_where(e)}: {msg} (got {show(e['input'])})")
     return "\n".join(lines)
 
 
@@ -131,6 +140,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value[len(node.value) - own:]:
             key = self.construct_object(key_node, deep=deep)
+            if not _hashable(key):  # as yaml.safe_load says it, not a TypeError from `in seen`
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        "found unhashable key", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
@@ -171,6 +183,14 @@ class _UniqueKeyDecoder(json.JSONDecoder):
 def _parse(raw: str, is_json: bool) -> Any:
     """Parsed spec text; a repeated key is an error in both formats."""
     return _UniqueKeyDecoder().decode(raw) if is_json else yaml.load(raw, Loader=_UniqueKeyLoader)
+
+
+def _hashable(key: Any) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 def load_spec(name_or_path: str | Path) -> WorkflowSpec:
