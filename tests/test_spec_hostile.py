@@ -143,3 +143,32 @@ def test_a_key_of_the_wrong_type_is_named_as_a_key(tmp_path):
     lines = [line.split("k.yaml: ", 1)[1] for line in str(err.value).splitlines()]
     assert lines == ["agents: key 1: Input should be a valid string (got 1)",
                      "agents: key None: Input should be a valid string (got None)"]
+
+
+def with_var(**var) -> dict:
+    spec = small()
+    spec["task"]["vars"] = {"v": {"values": ["x", "y"], "words": {"x": ["wx"], "y": ["wy"]}, **var}}
+    return spec
+
+
+@pytest.mark.parametrize("var, expected", [
+    ({"noise": True}, "task.vars.v.noise: expected a number from 0 to 1 (got True)"),
+    ({"noise": "0.5"}, "task.vars.v.noise: expected a number from 0 to 1 (got '0.5')"),
+    ({"noise": 1.5}, "task.vars.v.noise: expected a number from 0 to 1 (got 1.5)"),
+    ({"weights": [True, "3"]}, "task.vars.v.weights[0]: expected a number >= 0 (got True)"),
+    ({"weights": [1, "3"]}, "task.vars.v.weights[1]: expected a number >= 0 (got '3')"),
+    ({"weights": [1, float("nan")]}, "task.vars.v.weights[1]: expected a number >= 0 (got nan)"),
+])
+def test_float_fields_take_numbers_only(var, expected):
+    with pytest.raises(SpecError) as err:
+        parse_spec(with_var(**var), "lax.yaml")
+    assert f"lax.yaml: {expected}" in str(err.value).splitlines()
+    spec = {**small(), "turn_vars": {"t": {"values": [1, 2], "persist": False}}}
+    with pytest.raises(SpecError, match=r"turn_vars.t.persist: expected a number from 0 to 1 \(got False\)"):
+        parse_spec(spec, "lax.yaml")
+
+
+def test_float_fields_take_ints_and_floats():
+    var = parse_spec(with_var(noise=0, weights=[1, 2.5]), "ok.yaml").task.vars["v"]
+    assert (var.noise, var.weights) == (0.0, [1.0, 2.5]) and type(var.noise) is float
+    assert type(var.weights[0]) is float

@@ -12,8 +12,10 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
 - every name in an agent's `draw` is a turn variable; `persist` is set only on turn variables;
 - ranges have lo <= hi; token counts (prompt, output, task and tool tokens) are 1..MAX_TOKENS, the
   preamble 0..MAX_TOKENS; waits are >= 0;
-- a variable's values are distinct scalars; its weights match them in number, are >= 0 and sum
-  to > 0; its `words` (if any) give a non-empty list for every value, and no word names two values;
+- a variable's values are distinct scalars; its weights match them in number, are numbers >= 0
+  and sum to > 0; its noise and persist are numbers from 0 to 1 (never a boolean or a string:
+  YAML reads `noise: yes` as True); its `words` (if any) give a non-empty list for every value,
+  and no word names two values;
 - every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
   0), or an expression that parses and reads only known names (`task.*`, `turn.*`, `visits.*` with
   existing keys, `step`, `last`, `min`, `max`).
@@ -65,6 +67,20 @@ def _prob(v: Any) -> float | str:
     raise ValueError("expected a number >= 0 or an expression string")
 
 
+def _fraction(v: Any) -> float:
+    """A probability field: an int or float from 0 to 1, not a boolean or a string (YAML's `yes`)."""
+    if _number(v) and 0 <= v <= 1:
+        return float(v)
+    raise ValueError("expected a number from 0 to 1")
+
+
+def _weight(v: Any) -> float:
+    """A weight: a finite int or float >= 0, not a boolean or a string."""
+    if _number(v) and v >= 0:
+        return float(v)
+    raise ValueError("expected a number >= 0")
+
+
 def _start(v: Any) -> Any:
     return [{"to": v}] if isinstance(v, str) else v  # `start: planner` is `start: [{to: planner}]`
 
@@ -72,6 +88,8 @@ def _start(v: Any) -> Any:
 Tokens = Annotated[tuple[int, int], _range(True, 1, MAX_TOKENS, " tokens")]
 Seconds = Annotated[tuple[float, float], _range(False, 0)]
 Prob = Annotated[float | str, BeforeValidator(_prob)]
+Fraction = Annotated[float, BeforeValidator(_fraction)]
+Weight = Annotated[float, BeforeValidator(_weight)]
 PromptTokens = Annotated[int, Field(strict=True, ge=1, le=MAX_TOKENS)]
 Count = Annotated[int, Field(strict=True, ge=1, le=100_000)]
 
@@ -95,10 +113,10 @@ class VarSpec(_Model):
     """A hidden variable: drawn from `values` by `weights`; `words` reveal it, wrong with prob. `noise`."""
 
     values: list[Any] = Field(min_length=1)
-    weights: list[float] | None = None  # None: uniform
+    weights: list[Weight] | None = None  # None: uniform
     words: dict[Any, list[str]] | None = None  # value -> words that reveal it in `context`
-    noise: float = Field(0.0, ge=0, le=1)  # prob. the word comes from a (uniformly chosen) wrong value
-    persist: float = Field(0.0, ge=0, le=1)  # turn vars: prob. a re-draw keeps the previous value
+    noise: Fraction = 0.0  # prob. the word comes from a (uniformly chosen) wrong value
+    persist: Fraction = 0.0  # turn vars: prob. a re-draw keeps the previous value
 
     @field_validator("values")
     @classmethod
