@@ -8,7 +8,7 @@ import time
 import pytest
 import yaml
 
-from pbkv.workloads import SpecError, load_spec, parse_spec
+from pbkv.workloads import SpecError, generate, load_spec, parse_spec
 from pbkv.workloads.expr import show
 
 AGENT = {"prompt": 100, "output": 10}
@@ -172,3 +172,33 @@ def test_float_fields_take_ints_and_floats():
     var = parse_spec(with_var(noise=0, weights=[1, 2.5]), "ok.yaml").task.vars["v"]
     assert (var.noise, var.weights) == (0.0, [1.0, 2.5]) and type(var.noise) is float
     assert type(var.weights[0]) is float
+
+
+@pytest.mark.parametrize("start", [[{"to": "a", "p": 0}], [{"to": "a", "p": 0}, {"to": "b", "p": 0.0}]])
+def test_a_constant_all_zero_start_is_refused_at_load(start):
+    spec = small(start=start)
+    spec["agents"]["b"] = dict(AGENT)
+    with pytest.raises(SpecError, match=r"^zero.yaml: flow.start: every p is 0 \(a workflow needs a first agent\)$"):
+        parse_spec(spec, "zero.yaml")
+    ok = small(start=[{"to": "a", "p": 0}, {"to": "b", "p": "rest"}])
+    ok["agents"]["b"] = dict(AGENT)
+    assert [c.agent for c in generate(parse_spec(ok), 3).calls] == ["b"] * 3
+
+
+COND = """name: cond
+agents: {coder: {prompt: 100, output: 10}, writer: {prompt: 100, output: 10}}
+task: {tokens: 50, vars: {kind: {values: [code, text, other]}}}
+flow:
+  start:
+    - {to: coder, p: "task.kind == 'code'"}
+    - {to: writer, p: "task.kind == 'text'"}
+"""
+
+
+def test_a_start_list_evaluating_to_all_zero_is_an_error_naming_the_workflow_and_variables():
+    spec = parse_spec(yaml.safe_load(COND), "cond.yaml")
+    with pytest.raises(SpecError) as err:
+        generate(spec, 10)
+    msg = str(err.value)
+    assert msg.startswith("cond-0-0000") and ": flow.start: every p evaluated to 0 with task {'kind': 'other'}" in msg
+    assert "(p's: [('coder', \"task.kind == 'code'\")," in msg and msg.endswith("; a workflow needs a first agent")

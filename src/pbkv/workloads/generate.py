@@ -234,6 +234,16 @@ class _Generator:
             st.last = st.ids + list(self._new_ids(1)) if st.tail else list(st.ids)
         return list(st.last)
 
+    def _first(self, rng: random.Random, env: dict, wf_id: str) -> str:
+        """The first agent of a workflow, drawn from `flow.start`; never END (every p 0 is an error)."""
+        name = _pick(rng, self.start, env, f"{wf_id}: flow.start")
+        if name == END:
+            starts = [(t.to, t.p) for t in self.spec.flow.start]
+            raise SpecError(f"{wf_id}: flow.start: every p evaluated to 0 with task {show(env['task'], 120)} "
+                            f"and turn {show(env['turn'], 120)} (p's: {show(starts, 120)}); "
+                            f"a workflow needs a first agent")
+        return name
+
     def workflow(self, seed: int, i: int) -> Run:
         spec, agents = self.spec, self.agents
         # the spec name is part of the seed so that two workloads mixed in one experiment are independent
@@ -259,7 +269,7 @@ class _Generator:
         streams: dict[str, _Stream] = {}
         calls: list[Call] = []
         turns: list[dict] = []
-        name = _pick(rng, self.start, env, f"{wf_id}: flow.start")
+        name = self._first(rng, env, wf_id)
         wait = 0.0
         for step in range(spec.flow.max_steps):
             agent = agents[name]

@@ -16,6 +16,8 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
   and sum to > 0; its noise and persist are numbers from 0 to 1 (never a boolean or a string:
   YAML reads `noise: yes` as True); its `words` (if any) give a non-empty list for every value,
   and no word names two values;
+- some `p` of `flow.start` is not the constant 0 (a start list whose expressions all evaluate to 0
+  is an error when a workflow is generated: every workflow needs a first agent);
 - every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
   0), or an expression that parses and reads only known names (`task.*`, `turn.*`, `visits.*` with
   existing keys, `step`, `last`, `min`, `max`).
@@ -79,6 +81,11 @@ def _weight(v: Any) -> float:
     if _number(v) and v >= 0:
         return float(v)
     raise ValueError("expected a number >= 0")
+
+
+def _all_zero(items: list["Transition"]) -> bool:
+    """Whether every p of a transition list is the constant 0 (no expression, no `rest`, which is 1 then)."""
+    return all(not isinstance(t.p, str) and t.p == 0 for t in items)
 
 
 def _start(v: Any) -> Any:
@@ -240,6 +247,8 @@ class WorkflowSpec(_Model):
             if a not in self.agents:
                 yield f"flow.transitions.{a}: unknown agent {a!r} (known: {known})"
             lists.append((f"flow.transitions.{a}", items, True))
+        if _all_zero(self.flow.start):
+            yield "flow.start: every p is 0 (a workflow needs a first agent)"
         for path, items, end_ok in lists:
             for i, t in enumerate(items):
                 if t.to == END and not end_ok:
@@ -273,7 +282,8 @@ class WorkflowSpec(_Model):
         """The static agent graph: START and every agent -> each possible next agent or END.
 
         A target whose p is the constant 0 is left out; an agent without transitions -> [END].
-        Not shown: ends caused by `max_steps` or by every p of a list evaluating to 0.
+        Not shown: ends caused by `max_steps` or by every p of a list evaluating to 0 (for
+        `flow.start` that is an error, not an end).
         """
         def targets(items):
             return list(dict.fromkeys(t.to for t in items if isinstance(t.p, str) or t.p > 0)) or [END]
