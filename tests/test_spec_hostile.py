@@ -202,3 +202,22 @@ def test_a_start_list_evaluating_to_all_zero_is_an_error_naming_the_workflow_and
     msg = str(err.value)
     assert msg.startswith("cond-0-0000") and ": flow.start: every p evaluated to 0 with task {'kind': 'other'}" in msg
     assert "(p's: [('coder', \"task.kind == 'code'\")," in msg and msg.endswith("; a workflow needs a first agent")
+
+
+def test_a_workflow_that_could_need_too_many_hash_ids_is_refused_at_load():
+    # every count within its bound, but 100,000 calls of 100,000-token prompts in blocks of 1
+    spec = {"name": "mem", "block_size": 1, "agents": {"a": {"prompt": 100_000, "output": 1}},
+            "task": {"tokens": 1}, "flow": {"start": "a", "max_steps": 100_000, "transitions": {"a": [{"to": "a"}]}}}
+    t0 = time.perf_counter()
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec, "mem.yaml")
+    assert time.perf_counter() - t0 < 1
+    assert str(err.value) == (
+        "mem.yaml: flow.max_steps: one workflow could hold 15,000,050,000 hash ids (100,000 calls of prompts up to "
+        "200,000 tokens, in blocks of 1 token), more than 20,000,000; lower flow.max_steps or the token counts "
+        "(preamble, agents' prompt, output and tool tokens, task.tokens), or raise block_size")
+    spec["flow"]["max_steps"] = 190  # 190 calls of 100,001..100,190 tokens: 19,018,145 ids
+    assert parse_spec(spec).flow.max_steps == 190
+    spec["flow"]["max_steps"] = 200
+    with pytest.raises(SpecError, match="one workflow could hold 20,020,100 hash ids"):
+        parse_spec(spec)

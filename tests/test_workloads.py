@@ -486,7 +486,7 @@ def test_a_prompt_longer_than_any_model_serves_is_an_error_naming_the_call():
     # every count within its bound, but each output joins the next prompt: 100,000 tokens a step
     agent = {"prompt": 10, "output": 100_000}
     spec = parse_spec({"name": "grows", "agents": {"a": agent}, "task": {"tokens": 5},
-                       "flow": {"start": "a", "max_steps": 1000, "transitions": {"a": [{"to": "a", "p": 1}]}}})
+                       "flow": {"start": "a", "max_steps": 20, "transitions": {"a": [{"to": "a", "p": 1}]}}})
     with pytest.raises(SpecError, match=r"grows-0-00000 step 10: agent a's prompt would hold 1,000,015 tokens, "
                                         r"more than 1,000,000; lower the outputs"):
         generate(spec, 1, seed=0)

@@ -40,13 +40,8 @@ from typing import Any, Iterator
 
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.workloads.expr import Expr, ExprError, show
-from pbkv.workloads.spec import END, START, VarSpec, WorkflowSpec
+from pbkv.workloads.spec import END, MAX_PROMPT_TOKENS, START, VarSpec, WorkflowSpec
 from pbkv.workloads.spec_files import SpecError, load_spec
-
-# The longest prompt a generated call may have. Prompts grow by every output and tool result they
-# show, so a spec within every per-count bound (spec.MAX_TOKENS) can still ask for prompts whose
-# ids (one per block, copied per call) outgrow memory; no model serves a prompt this long anyway.
-MAX_PROMPT_TOKENS = 1_000_000
 
 
 @dataclass

@@ -18,6 +18,8 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
   and no word names two values;
 - some `p` of `flow.start` is not the constant 0 (a start list whose expressions all evaluate to 0
   is an error when a workflow is generated: every workflow needs a first agent);
+- one workflow holds at most MAX_WORKFLOW_IDS hash ids however its draws fall (`worst_ids`: every
+  call at the longest prompt it could have, up to MAX_PROMPT_TOKENS, for flow.max_steps calls);
 - every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
   0), or an expression that parses and reads only known names (`task.*`, `turn.*`, `visits.*` with
   existing keys, `step`, `last`, `min`, `max`).
@@ -40,6 +42,14 @@ REST = "rest"  # p of the remaining probability: max(0, 1 - sum of the list's ot
 # every prompt, and outputs and tool results join later prompts, so an unbounded count (a typo such
 # as `output: 1000000000000`) would exhaust memory instead of failing with a message.
 MAX_TOKENS = 100_000
+# The longest prompt a generated call may have. Prompts grow by every output and tool result they
+# show, so a spec within every per-count bound can still ask for prompts whose ids (one per block,
+# copied per call) outgrow memory; no model serves a prompt this long anyway (checked per call).
+MAX_PROMPT_TOKENS = 1_000_000
+# The most hash ids the calls of one workflow may hold in all, at worst (`WorkflowSpec.worst_ids`):
+# every call keeps its own list, so 100,000 calls of 100,000-token prompts in blocks of 1 would be
+# 1.5e10 ids, hundreds of GB. 20 million ids are about 160 MB of lists.
+MAX_WORKFLOW_IDS = 20_000_000
 # ---------------------------------------------------------------- field types
 
 def _number(v: Any) -> bool:
@@ -263,6 +273,36 @@ class WorkflowSpec(_Model):
                         self.compile_p(t.p)
                     except ExprError as e:
                         yield f"{path}[{i}].p: {e} in {show(t.p)}"
+        yield from self._size_problems()
+
+    def _size_problems(self):
+        total = self.worst_ids()
+        if total > MAX_WORKFLOW_IDS:
+            steps = self.flow.max_steps
+            peak = min(self._worst_prompt(steps - 1), MAX_PROMPT_TOKENS)
+            yield (f"flow.max_steps: one workflow could hold {total:,} hash ids ({steps:,} calls of prompts up to "
+                   f"{peak:,} tokens, in blocks of {self.block_size} token{'s' * (self.block_size > 1)}), more "
+                   f"than {MAX_WORKFLOW_IDS:,}; lower flow.max_steps or the token counts (preamble, agents' "
+                   f"prompt, output and tool tokens, task.tokens), or raise block_size")
+
+    def _worst_prompt(self, step: int) -> int:
+        """The most tokens the prompt of call `step` could hold: the longest fixed part, then at
+        most the largest output and tool result for every call before it."""
+        fixed, grow = self._prompt_growth()
+        return fixed + step * grow
+
+    def _prompt_growth(self) -> tuple[int, int]:
+        """(the longest [preamble][agent prompt][task] part, the most tokens one call adds to the history)."""
+        fixed = self.preamble + max(a.prompt for a in self.agents.values()) + self.task.tokens[1]
+        grow = max(a.output[1] + (a.tool.tokens[1] if a.tool else 0) for a in self.agents.values())
+        return fixed, grow
+
+    def worst_ids(self) -> int:
+        """An upper bound on the hash ids the calls of one workflow hold in all: flow.max_steps
+        calls, each at its longest possible prompt (a longer one than MAX_PROMPT_TOKENS is an
+        error when generated), one id per started block."""
+        (fixed, grow), bs = self._prompt_growth(), self.block_size
+        return sum(-(-min(fixed + step * grow, MAX_PROMPT_TOKENS) // bs) for step in range(self.flow.max_steps))
 
     # ------------------------------------------------------------ helpers for the generator
     def compile_p(self, p: float | str) -> float | Expr | None:
