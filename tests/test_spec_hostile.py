@@ -221,3 +221,10 @@ def test_a_workflow_that_could_need_too_many_hash_ids_is_refused_at_load():
     spec["flow"]["max_steps"] = 200
     with pytest.raises(SpecError, match="one workflow could hold 20,020,100 hash ids"):
         parse_spec(spec)
+
+
+@pytest.mark.parametrize("name, text", [("big.yaml", "name: x\nblock_size: " + "1" * 5000 + "\n"),
+                                        ("big.json", '{"name": "x", "block_size": ' + "1" * 5000 + "}")])
+def test_an_integer_too_long_to_read_names_the_file(tmp_path, name, text):
+    with pytest.raises(SpecError, match=rf"/{name}: not valid (JSON|YAML): Exceeds the limit \(4300 digits\)"):
+        load_spec(write(tmp_path, name, text))

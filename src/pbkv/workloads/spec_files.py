@@ -205,9 +205,14 @@ def load_spec(name_or_path: str | Path) -> WorkflowSpec:
                             f"and not a {'/'.join(SUFFIXES)} file")
         if not path.is_file():
             raise SpecError(f"{text}: no such spec file")
-    raw = read_text(path, source, SpecError)
+    return parse_spec(_read(read_text(path, source, SpecError), path.suffix.lower() == ".json", source), source)
+
+
+def _read(raw: str, is_json: bool, source: str) -> Any:
+    """Parsed spec text; every failure is a SpecError naming `source` (and the line where known)."""
+    kind = "JSON" if is_json else "YAML"
     try:
-        data = _parse(raw, path.suffix.lower() == ".json")
+        return _parse(raw, is_json)
     except json.JSONDecodeError as e:
         raise SpecError(f"{source}:{e.lineno}: not valid JSON: {e.msg}") from None
     except yaml.YAMLError as e:
@@ -216,4 +221,5 @@ def load_spec(name_or_path: str | Path) -> WorkflowSpec:
         raise SpecError(f"{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
     except RecursionError:
         raise SpecError(_too_deep(source)) from None
-    return parse_spec(data, source)
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        raise SpecError(f"{source}: not valid {kind}: {str(e)[:200]}") from None
