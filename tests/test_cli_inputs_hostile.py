@@ -1,4 +1,5 @@
-"""Fixes of hostile review 7 (repro/N): each test fails on the code before its fix."""
+"""Command-line inputs that hostile testing found mishandled (bench, ablate, predict-eval, trace,
+gen output): each test failed on the code before its fix."""
 
 import json
 from pathlib import Path
@@ -30,7 +31,7 @@ def _one_line(output: str) -> str:
     return " ".join(output.split())
 
 
-# ---- repro/29: an output inside the --predictor folder being read
+# ---- an output inside the --predictor folder being read
 def test_predict_eval_json_inside_the_predictor_is_refused(tmp_path):
     pred, trace = _fake_predictor(tmp_path), _gen(tmp_path)
     for target in (pred / "v000001" / "config.json", pred / "CURRENT", pred / "new.json"):
@@ -54,7 +55,7 @@ def test_bench_outputs_inside_the_predictor_are_refused(tmp_path):
     assert "is inside the --predictor" in _one_line(r.output), r.output
 
 
-# ---- repro/24: an unusable predictor cache is found before training
+# ---- an unusable predictor cache is found before training
 def test_a_cache_that_is_a_file_fails_before_training(monkeypatch, tmp_path):
     import pbkv.bench.predictors as predictors
 
@@ -70,7 +71,7 @@ def test_a_cache_that_is_a_file_fails_before_training(monkeypatch, tmp_path):
     assert f"$PBKV_CACHE={cache}/predictors: {cache} is not a folder" in _one_line(r.output), r.output
 
 
-# ---- repro/7: trace split of generated traces
+# ---- trace split of generated traces
 def _split(tmp_path: Path, trace: Path, *extra: str) -> tuple[list[dict], list[dict]]:
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     r = runner.invoke(app, ["trace", "split", str(trace), "--train-out", str(a), "--test-out", str(b), *extra])
@@ -109,7 +110,7 @@ def test_a_groups_side_does_not_depend_on_the_other_groups():
     assert {c.workflow_id for c in fewer.calls} == {c.workflow_id for c in test.calls if int(c.workflow_id[1:]) < 20}
 
 
-# ---- repro/10: -o /dev/stdout keeps stdout a valid trace
+# ---- -o /dev/stdout keeps stdout a valid trace
 def test_status_lines_go_to_stderr_when_the_output_is_stdout(tmp_path):
     import subprocess
     import sys
@@ -124,7 +125,7 @@ def test_status_lines_go_to_stderr_when_the_output_is_stdout(tmp_path):
         assert "wrote" in r.stderr, r.stderr
 
 
-# ---- repro/8 and repro/12: --workload empty, or given with --trace
+# ---- --workload empty, or given with --trace
 def test_an_empty_workload_list_names_the_option(tmp_path):
     for command in ("bench", "ablate"):
         for value in ("", ","):
@@ -152,7 +153,7 @@ def test_workload_or_workflows_given_with_trace_are_refused(monkeypatch, tmp_pat
         ("hover", 3), ("swe", 3), ("finance", 3), ("dialogue", 3)], r.output
 
 
-# ---- repro/15: ablate's advice names only options ablate has
+# ---- ablate's advice names only options ablate has
 def test_ablate_on_a_trace_without_train_advises_only_train(tmp_path):
     trace = _gen(tmp_path, n=2)
     r = runner.invoke(app, ["ablate", "--trace", str(trace), "--concurrency", "2", "--out", str(tmp_path / "o")])
@@ -163,7 +164,7 @@ def test_ablate_on_a_trace_without_train_advises_only_train(tmp_path):
     assert r.exit_code == 2 and "pass --train FILE (or --predictor DIR)" in _one_line(r.output), r.output
 
 
-# ---- repro/20: predict-eval's split error names only options predict-eval has
+# ---- predict-eval's split error names only options predict-eval has
 def test_predict_eval_split_error_does_not_advise_test_fraction(monkeypatch, tmp_path):
     from dataclasses import replace
     import pbkv.predict
@@ -175,7 +176,7 @@ def test_predict_eval_split_error_does_not_advise_test_fraction(monkeypatch, tmp
     assert "--test-fraction" not in r.output, r.output
 
 
-# ---- repro/25: the predict-eval table is readable at any horizon
+# ---- the predict-eval table is readable at any horizon
 def test_predict_table_is_readable_at_large_horizons(monkeypatch):
     import io
     from rich.console import Console
@@ -192,7 +193,7 @@ def test_predict_table_is_readable_at_large_horizons(monkeypatch):
         assert "0.900" in text and "--json" in text, text
 
 
-# ---- repro/26: a test trace whose agents the predictors never saw is noted
+# ---- a test trace whose agents the predictors never saw is noted
 def test_predict_eval_notes_agents_the_predictors_never_saw(tmp_path):
     train, test = _gen(tmp_path, "hover", 3), _gen(tmp_path, "swe", 3)
     r = runner.invoke(app, ["predict-eval", "--train", str(train), "--test", str(test), "--epochs", "1"])
@@ -207,7 +208,7 @@ def test_predict_eval_notes_agents_the_predictors_never_saw(tmp_path):
     assert r.exit_code == 0 and "never saw" not in r.output, r.output
 
 
-# ---- repro/28: trace stats of a trace mixing workloads does not claim one
+# ---- trace stats of a trace mixing workloads does not claim one
 def test_stats_of_a_mixed_trace_name_every_workload(tmp_path):
     from dataclasses import replace
     from pbkv.trace import read_trace
@@ -223,7 +224,7 @@ def test_stats_of_a_mixed_trace_name_every_workload(tmp_path):
     assert format_stats(one).splitlines()[0] == "## hover"
 
 
-# ---- repro/11: --jobs N starts no more workers than there are cells
+# ---- --jobs N starts no more workers than there are cells
 def test_a_sweep_starts_at_most_one_worker_per_cell(monkeypatch):
     from types import SimpleNamespace
     import pytest
@@ -241,7 +242,7 @@ def test_a_sweep_starts_at_most_one_worker_per_cell(monkeypatch):
     assert started == [2]
 
 
-# ---- repro/19: a spec file named *.YAML is a spec file in bench too
+# ---- a spec file named *.YAML is a spec file in bench too
 def test_an_upper_case_spec_suffix_is_a_spec_file(tmp_path, monkeypatch):
     from pbkv.bench.predictors import PredictorSource, cache_folder
     from pbkv.bench.sweep import source_from_arg
