@@ -48,6 +48,14 @@ def test_auto_regimes_come_from_the_working_set():
     assert got[1].host_tokens == 120
     # with tier sets given, both auto shares clamp to the largest call here: each regime runs once
     assert [(r.tiers, r.device_tokens) for r in auto_regimes(wl, 1, ["device"])] == [("device", 60)]
+    # --host-tokens 0 leaves no host tier: no regime labelled device+host runs without one
+    assert {r.tiers for r in auto_regimes(wl, 100, [], host_tokens=0)} == {"device"}
+
+
+def test_a_regimes_plot_column_without_a_tier_set_names_the_tiers_it_ran_with():
+    from pbkv.bench.report import _tiers_below
+    assert _tiers_below({"host_tokens": 40000, "disk_tokens": 0}) == "device + host 40,000"
+    assert _tiers_below({"host_tokens": 0, "disk_tokens": 0}) == "device"
 
 
 def test_parsing_errors_are_clear():

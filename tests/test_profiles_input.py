@@ -174,3 +174,11 @@ def test_bench_refuses_a_misspelt_profile_field_exit_2(tmp_path):
     assert r.exit_code == 2, r.output
     assert "typo.json: field 'step_overhead_msec': unknown field" in flat(r.output)
     assert "Traceback" not in r.output
+
+
+def test_a_profile_key_written_twice_is_refused(tmp_path):
+    data = json.loads((Path(load_profile.__code__.co_filename).parent / "profiles" / "a6000-qwen3-32b.json").read_text())
+    text = json.dumps(data)[:-1] + ', "step_overhead_ms": 500}'
+    (tmp_path / "twice.json").write_text(text)
+    with pytest.raises(ValueError, match=r"twice.json: not valid JSON: duplicate key 'step_overhead_ms'"):
+        load_profile(str(tmp_path / "twice.json"))

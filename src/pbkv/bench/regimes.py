@@ -162,6 +162,8 @@ def auto_regimes(workload, concurrency: int | None, tiers: list[str], host_token
     total, floor = distinct_prompt_tokens(workload), largest_call(workload)
     working = lanes * workflow_tokens(workload)
     pairs = AUTO_REGIMES if not tiers else [(t, share) for share in AUTO_SHARES for t in tiers]
+    if not tiers and host_tokens == 0:   # --host-tokens 0: no host tier, so no "device+host" regime
+        pairs = [("device", share) for share in AUTO_SHARES]
     out = []
     for t, share in pairs:
         device = max(floor, int(min(1.0, share * working / total) * total))

@@ -225,6 +225,13 @@ def _concurrency_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
     return _save(plt, fig, (ax1, ax2), out / f"{workload}.png")
 
 
+def _tiers_below(r: dict) -> str:
+    """A column of runs without a tier set, named by the tiers below the device they ran with
+    (given by --host/--disk-tokens or the profile's: the record cannot tell which)."""
+    sizes = [f"{name} {r[f'{name}_tokens']:,}" for name in ("host", "disk") if r.get(f"{name}_tokens")]
+    return " + ".join(["device"] + sizes)
+
+
 def _regimes_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
     top = max(r["concurrency"] for r in rows)
     rows = [r for r in rows if r["concurrency"] == top]
@@ -236,7 +243,7 @@ def _regimes_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
             xs = [r["device_tokens"] for r in pts]
             axes[0][col].plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
             axes[1][col].plot(xs, [100 * r["device_hit_rate"] for r in pts], marker="o", label=label)
-        name = tiers or "profile tiers"
+        name = tiers or _tiers_below(mine[0])
         axes[0][col].set(title=f"{workload}, {name}: speedup over LRU (conc {top})", xlabel="device KV tokens",
                          ylabel="LRU mean workflow latency / policy's")
         axes[1][col].set(title=f"{workload}, {name}: miss-ratio curve", xlabel="device KV tokens",
