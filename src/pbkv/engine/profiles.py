@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pbkv import unique_json
 from pbkv.files import read_text
 
 GIB = 1024 ** 3
@@ -135,26 +136,12 @@ def load_profile(name_or_path: str) -> Profile:
         raise ValueError(f"unknown profile {name_or_path!r} ({what}); built-in profiles: "
                          f"{', '.join(builtin_profiles())}")
     try:
-        data = json.loads(text, object_pairs_hook=_unique_keys)
+        data = unique_json.loads(text)
+    except unique_json.DuplicateKey as e:
+        raise ValueError(f"{where}: not valid JSON: duplicate key {e.key!r} (which one counts is left to chance)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
-    except _DuplicateKey as e:
-        raise ValueError(f"{where}: not valid JSON: duplicate key {e.args[0]!r} (which one counts is left to chance)") from None
     return profile_from_data(data, where)
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object's dict; a key written twice raises `_DuplicateKey` (json keeps the last one
-    silently, so a corrected value above a stale one would be lost without a word)."""
-    out = dict(pairs)
-    if len(out) < len(pairs):
-        seen = set()
-        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
-    return out
 
 
 def profile_from_data(data, where: str) -> Profile:

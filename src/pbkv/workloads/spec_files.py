@@ -10,14 +10,13 @@ recurses or loops without bound. What a valid spec is: `spec.py`.
 from __future__ import annotations
 
 import json
-from json.decoder import WHITESPACE, JSONObject, scanstring
-from json.scanner import py_make_scanner
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 from pydantic import ValidationError
 
+from pbkv import unique_json
 from pbkv.files import read_text
 from pbkv.workloads.expr import show
 from pbkv.workloads.spec import WorkflowSpec
@@ -149,40 +148,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _key_offset(s: str, start: int, index: int, strict: bool, scan_once) -> int:
-    """Offset of the `index`-th key of the (already parsed, so well-formed) JSON object at `start`."""
-    pos = start
-    for _ in range(index):
-        _, pos = scanstring(s, WHITESPACE.match(s, pos).end() + 1, strict)
-        _, pos = scan_once(s, WHITESPACE.match(s, WHITESPACE.match(s, pos).end() + 1).end())
-        pos = WHITESPACE.match(s, pos).end() + 1  # past the ','
-    return WHITESPACE.match(s, pos).end()
-
-
-def _unique_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
-    """json's object parser, refusing a repeated key (JSONDecodeError at the repeated key's line)."""
-    s, start = s_and_end
-    pairs, end = JSONObject(s_and_end, strict, scan_once, None, list, memo)
-    seen = set()
-    for i, (key, _) in enumerate(pairs):
-        if key in seen:
-            raise json.JSONDecodeError(f"duplicate key {show(key)}", s, _key_offset(s, start, i, strict, scan_once))
-        seen.add(key)
-    return dict(pairs), end
-
-
-class _UniqueKeyDecoder(json.JSONDecoder):
-    """JSONDecoder that rejects a repeated key (plain `json.loads` keeps the last one silently)."""
-
-    def __init__(self):
-        super().__init__()
-        self.parse_object = _unique_object
-        self.scan_once = py_make_scanner(self)  # the C scanner would not call parse_object
-
-
 def _parse(raw: str, is_json: bool) -> Any:
     """Parsed spec text; a repeated key is an error in both formats."""
-    return _UniqueKeyDecoder().decode(raw) if is_json else yaml.load(raw, Loader=_UniqueKeyLoader)
+    return unique_json.loads(raw) if is_json else yaml.load(raw, Loader=_UniqueKeyLoader)
 
 
 def _hashable(key: Any) -> bool:
