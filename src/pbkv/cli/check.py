@@ -33,12 +33,14 @@ def calibrate(
     console.print(f"profile: {output}")
 
 
+SIMCHECK_WORKFLOWS = 8   # --workflows when not given
+
+
 def simcheck(
-    ctx: typer.Context,
     model: ModelOpt = "tiny",
     profile: ProfileOpt = None,
     workload: WorkloadOpt = "hover",
-    workflows: WorkflowsOpt = 8,
+    workflows: WorkflowsOpt = None,   # None: not given (SIMCHECK_WORKFLOWS; refused with a trace)
     concurrency: ConcurrencyOpt = "4",
     policies: PoliciesOpt = "lru,kvflow,pbkv,oracle",
     scale: ScaleOpt = 8.0,
@@ -66,9 +68,9 @@ def simcheck(
     lanes = one_concurrency(concurrency)
     names = policy_list(policies)
     with exit_on_error():
-        source = source_from_arg(workload, workflows, seed)
+        source = source_from_arg(workload, workflows or SIMCHECK_WORKFLOWS, seed)
         replayed = len(load_workload(source).workflows)  # a bad --workload fails now, not after calibrating
-    if source.trace and given(ctx, "workflows"):
+    if source.trace and workflows is not None:
         fail(f"--workflows applies to generated workloads; {workload} is a trace, replayed whole "
              f"({replayed} workflows)")
     with exit_on_error():
@@ -105,9 +107,3 @@ def policy_list(value: str) -> list[str]:
             policy_class(name)
     return names
 
-
-def given(ctx: typer.Context, name: str) -> bool:
-    """True when option `name` was given (command line or environment), not left at its default.
-    By the source's name: typer may bring its own copy of click's ParameterSource."""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
