@@ -16,6 +16,16 @@ from typing import Iterator
 from pbkv.stale import remove_stale
 
 
+def is_text(s: str) -> bool:
+    """Whether `s` is Unicode text a UTF-8 file can hold: no lone surrogate such as "\\ud800",
+    which a JSON escape can produce and which no later write or read of the file would accept."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_text(path: str | Path, where: str | None = None, error: type[Exception] = ValueError) -> str:
     """The file's text. A file that is not UTF-8 or cannot be read raises `error` naming
     `where` (default: the path) and, for bad UTF-8, the first bad byte and its offset."""

@@ -26,7 +26,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from pbkv.files import read_text
+from pbkv.files import is_text, read_text
 from pbkv.predict import store
 from pbkv.predict.features import FeatureConfig
 from pbkv.trace.io import show_value
@@ -97,7 +97,7 @@ def _workflow(file: Path, index: int, rows) -> Workflow:
     if not (isinstance(rows, list) and rows and all(_is_call(r) for r in rows)):
         raise ValueError(f"{file}: workflows.{index}: expected a non-empty list of [agent, context or null], "
                          f"got {show_value(rows)}")
-    bad = next((s for row in rows for s in row if s is not None and not _is_text(s)), None)
+    bad = next((s for row in rows for s in row if s is not None and not is_text(s)), None)
     if bad is not None:
         raise ValueError(f"{file}: workflows.{index}: a string holds a lone surrogate (not valid Unicode "
                          f"text), got {show_value(bad[:40])}")
@@ -108,11 +108,3 @@ def _is_call(row) -> bool:
     return (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str) and row[0] != ""
             and (row[1] is None or isinstance(row[1], str)))
 
-
-def _is_text(s: str) -> bool:
-    """`s` is Unicode text (no lone surrogate such as "\\ud800", which a JSON escape can hold)."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

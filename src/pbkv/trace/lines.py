@@ -17,6 +17,8 @@ import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
+from pbkv.files import is_text
+
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
@@ -71,9 +73,7 @@ def _lone_surrogate(value) -> str | None:
     while stack:
         v = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
+            if not is_text(v):
                 return v
         elif isinstance(v, dict):
             stack.extend(v.keys())

@@ -17,7 +17,7 @@ import yaml
 from pydantic import ValidationError
 
 from pbkv import unique_json
-from pbkv.files import read_text
+from pbkv.files import is_text, read_text
 from pbkv.workloads.expr import show
 from pbkv.workloads.spec import WorkflowSpec
 
@@ -98,19 +98,10 @@ def _check_tree(data: Any, source: str):
             raise SpecError(_too_deep(source))
         if n >= MAX_NODES:
             raise SpecError(f"{source}: more than {MAX_NODES:,} values (YAML aliases count once per use)")
-        if isinstance(v, str) and not _unicode(v):
+        if isinstance(v, str) and not is_text(v):
             what = f"the name {show(v)}" if is_key else show(v)
             raise SpecError(f"{source}: {_path(path) or 'top level'}: {what} holds a lone surrogate "
                             f"(not valid Unicode text)")
-
-
-def _unicode(text: str) -> bool:
-    """Whether `text` is valid Unicode text (encodable as UTF-8: no lone surrogate)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _too_deep(source: str) -> str:
