@@ -8,9 +8,9 @@ workflow latency by 1.3% while its hit rate moved by less than 0.01 (chatdev, de
 1% latency difference from that noise; the mean of several can, and the spread says how wide
 the noise is.
 
-Sample i runs with every tier's capacity (the shared tier's too) scaled by `factor(i)` = 1 + i x STEP, so sample 0 is
-the nominal run (N = 1 is exactly the single run) and no sample drops below a regime's clamp
-(the largest call). The averaged record keeps the nominal capacities and gains `samples` and
+Sample i runs with every tier's capacity (the shared tier's too) scaled by `factor(i)` =
+1 + i x STEP, so sample 0 is the nominal run (N = 1 is exactly the single run) and no sample
+drops below a regime's clamp (the largest call). The averaged record keeps the nominal capacities and gains `samples` and
 the per-sample range of its speedup over LRU (`speedup_vs_lru_min` / `_max`);
 `speedup_vs_lru` itself is the ratio of the mean latencies (`sweep.finish_records`). Behind
 several routers each router has its own LRU, so a record also gets the per-sample range of the

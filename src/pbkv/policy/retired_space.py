@@ -13,8 +13,9 @@ readings by the events below: each member not in `suspects` qualified at the las
 is counted in `total` by `counted[id]`, its size then. What can change a member:
 - a lock taken (the tree's lock hook: `lock` 0 -> 1);
 - a tag: a workflow's `touch` adds the node to the tree's `workflow_nodes[w]` (found by
-  `marks`, as `PrefetchCandidates._wake` does) or, when w ended before the reading, is among
-  the nodes w's end hands over (`ended`); a tag is the only way `seen_workflows` grows;
+  `policy.new_tags`, as `PrefetchCandidates._wake` finds them) or, when w ended before the
+  reading, is among the nodes w's end hands over (`ended`); a tag is the only way
+  `seen_workflows` grows;
 - a split: the member keeps its deeper blocks and shrinks (the tree's split hook);
 - removal from the tree (the tree's remove hook: a dropped subtree's nodes are not evicted
   one by one) or eviction off the device (`drop`, the only way a device node changes tier).
@@ -23,7 +24,6 @@ passed. Until `bind` gives it a tree to watch, every reading scans all members (
 """
 
 from __future__ import annotations
-
 
 from pbkv.cache import Node, Tier
 from pbkv.policy.new_tags import new_tags
