@@ -124,6 +124,21 @@ def test_a_call_issued_after_a_tool_wait_during_a_prefill_is_stamped_at_its_issu
     assert rec.ttft[-1] == pytest.approx(both + 0.05 + long + w1_prefill - issued)   # w1 ends last
 
 
+def test_the_policy_is_told_a_call_started_when_it_was_issued_not_when_the_prefill_pass_ended():
+    """B arrives 0.5 s into A's several-second prefill: `on_call_start` gets 0.5 s (policies
+    learn tool waits and call gaps from it), while the engine's clock is already past the pass."""
+    a = Call("a", 0, "x", 16_000, 1, list(range(1000)), t=0.0)
+    b = Call("b", 0, "x", 160, 1, list(range(2000, 2010)), t=0.5)
+    wl = Workload("t", Trace(TraceMeta(block_size=16), [a, b]))
+    engine, cost = simulator(wl)
+    seen, start = [], engine.policy.on_call_start
+    engine.policy.on_call_start = lambda event: (seen.append((event.call.workflow_id, event.now, engine.now)),
+                                                 start(event))
+    Replay(engine, wl.workflows, None, Recorder()).run()
+    first = cost.prefill_seconds(cost.prefill_flops(16_000, 0))
+    assert seen == [("a", 0.0, 0.0), ("b", 0.5, pytest.approx(first))]
+
+
 def test_a_blocked_queue_unpins_now_rather_than_waiting_for_an_unrelated_event():
     """Nothing runs; A cannot be admitted because B's loaded prefix pins device space. No event
     can free memory then, so the queued pins are released at once: A is not held back until C,

@@ -150,7 +150,9 @@ class EngineBase:
         driver stamped it (never later than now); unstamped, it arrives now."""
         req.arrival = self.now if req.arrival is None else min(req.arrival, self.now)
         node, _ = self.tree.match(req.call.hash_ids)
-        self._timed(self.policy.on_call_start, self._event(req, node))
+        # the policy learns tool waits and call gaps from this time: the call's issue time, not
+        # the end of the prefill pass during which the simulator got to its arrival
+        self._timed(self.policy.on_call_start, self._event(req, node, req.arrival))
         self._waiting.append(req)
 
     # ------------------------------------------------------------------ helpers
@@ -177,11 +179,12 @@ class EngineBase:
         self.policy = replace_policy(self.cache, self.policy, self.fallback, self._clock, hook)
         self._stats.policy_fallbacks += 1
 
-    def _event(self, req: Request, node: Node | None) -> CallEvent:
-        """The policy's view of `req` now; `hidden` is the model's hidden state once a real
-        engine has prefilled it (`req.result.hidden`), else None."""
+    def _event(self, req: Request, node: Node | None, when: float | None = None) -> CallEvent:
+        """The policy's view of `req` at `when` (default: now); `hidden` is the model's hidden
+        state once a real engine has prefilled it (`req.result.hidden`), else None."""
         call = req.call
-        return CallEvent(req.workflow, call.agent, call.step, call, node or self.tree.root, self.now,
+        return CallEvent(req.workflow, call.agent, call.step, call, node or self.tree.root,
+                         self.now if when is None else when,
                          hidden=getattr(req.result, "hidden", None))
 
     def _limit(self, req: Request) -> int:

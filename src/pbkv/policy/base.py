@@ -61,7 +61,10 @@ class CallEvent:
 
     `hidden` is the serving model's hidden state at the call's last prompt token (a 1-D float
     array), known once its prefill ran: a real engine sets it in `on_prefill` and `on_call_end`
-    events; it is None in `on_call_start` and in the simulator (which has no model)."""
+    events; it is None in `on_call_start` and in the simulator (which has no model).
+
+    `now` is the event's time. For `on_call_start` it is when the call was issued, which in the
+    simulator may be earlier than the engine's clock (a call that arrived during a prefill pass)."""
 
     workflow: int
     agent: str
