@@ -155,11 +155,34 @@ def test_one_replica_serves_in_process_without_importing_ray():
         assert r.exit_code == 2 and "unknown router 'nope'" in r.output, r.output
         r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", "ray://h:10001"])
         assert r.exit_code == 2 and "cannot stream" in r.output, r.output
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            closed = s.getsockname()[1]      # bound, not listening: a connection is refused
+            r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", f"127.0.0.1:{closed}"])
+        assert r.exit_code == 2 and "nothing answers there" in r.output, r.output
+        assert "ray" not in sys.modules, "ray was imported"
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip().endswith("ok"), out.stdout + out.stderr
+
+
+def test_an_unreachable_or_malformed_ray_address_is_refused_at_once():
+    import socket
+
+    from pbkv.scale.options import check_reachable
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        check_reachable(f"127.0.0.1:{listening.getsockname()[1]}")   # something answers: accepted
+    for ok in (None, "auto", "local"):
+        check_reachable(ok)                                          # Ray's to resolve
+    for bad, words in (("head-node", "expected auto or the head's HOST:PORT"), (":6379", "HOST:PORT"),
+                       ("h:port", "HOST:PORT")):
+        with pytest.raises(ValueError, match=words):
+            check_reachable(bad)
 
 
 def test_a_retry_avoids_the_lost_replica_while_another_remains():

@@ -116,7 +116,7 @@ def serve(
         if state is not None and state.setup.save_error:   # already logged as one error line at shutdown
             raise typer.Exit(1)
         return
-    from pbkv.scale.options import ReplicaOptions, check_local, check_options, local_machine
+    from pbkv.scale.options import ReplicaOptions, check_local, check_options, check_reachable, local_machine
     opts = ReplicaOptions(replicas=replicas, router=router or "pbkv", ray_address=ray_address, replica_cpus=replica_cpus,
                           replica_gpus=replica_gpus, measured_costs=measured_costs,
                           health_check_period_s=health_check_period, health_check_timeout_s=health_check_timeout,
@@ -125,6 +125,8 @@ def serve(
         check_options(opts)          # before the Ray import: a bad option is refused with or without Ray
         if ray_address is None:
             check_local(opts, *local_machine())
+        else:
+            check_reachable(ray_address)   # Ray would retry an unreachable address for minutes
     try:
         from pbkv.scale.serve_app import run as run_replicas
     except ImportError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from dataclasses import dataclass
 
 # a local Ray: each replica is a process holding the model, so more than this many per CPU core is
@@ -45,6 +46,22 @@ def check_options(opts: ReplicaOptions) -> None:
     if (opts.ray_address or "").startswith("ray://"):
         raise ValueError(f"--ray-address {opts.ray_address}: Ray Client (ray://) cannot stream from deployments, "
                          f"which every call does; run pbkv serve on a node of the cluster with --ray-address auto")
+
+
+def check_reachable(address: str | None, timeout_s: float = 5.0) -> None:
+    """Refuse a `--ray-address HOST:PORT` where nothing accepts a connection (ValueError): Ray
+    itself retries such an address for minutes, silently. `auto`, `local` and None are Ray's to
+    resolve (a missing cluster fails there at once)."""
+    if not address or address in ("auto", "local"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--ray-address {address}: expected auto or the head's HOST:PORT (GCS port, 6379 by default)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: nothing answers there ({e.strerror or e}); start the cluster's "
+                         f"head first (ray start --head) or give its GCS address") from None
 
 
 def gpus_needed(replicas: int, per_replica: float) -> float:

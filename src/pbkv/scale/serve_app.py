@@ -38,7 +38,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pbkv.scale.ingress import ingress_state
 from pbkv.scale.probe import CPU_COSTS, ROUTER_CLASS
-from pbkv.scale.options import ReplicaOptions, check_local, check_options, local_machine
+from pbkv.scale.options import ReplicaOptions, check_local, check_options, check_reachable, local_machine
 from pbkv.scale.replica import EngineReplica
 from pbkv.serve.server import ServeConfig
 
@@ -77,6 +77,7 @@ def start_ray(opts: ReplicaOptions, layout_checked: bool = False, **init_kwargs)
     if ray.is_initialized():
         return False
     if opts.ray_address:
+        check_reachable(opts.ray_address)   # Ray would retry an unreachable address for minutes
         ray.init(address=opts.ray_address, namespace=f"pbkv-{opts.app_name}", **init_kwargs)
         return True
     cores, gpus = local_machine()
