@@ -21,6 +21,7 @@ CALL = '{"workflow_id": "w", "step": 0, "agent": "a", "input_length": 8, "output
 GOOD = f"{META}\n{CALL}\n"
 LONG = META + "\n" + "".join(CALL.replace('"w"', f'"w{i}"') + "\n" for i in range(50))
 AGENT_COLUMN = CALL.index('"a"') + 2
+DEEP_AGENT = CALL.replace('"a"', "[" * 900 + "]" * 900)   # the agent a list nested 900 deep
 SURROGATE_CALL = CALL.replace('"a"', '"\\ud800"')   # the JSON text "\ud800": valid JSON, not valid text
 
 
@@ -37,7 +38,7 @@ CASES = [  # (id, file name, content, expected message after "NAME")
      rf":2: not UTF-8 text \(byte 0xff at column {AGENT_COLUMN}\)"),
     ("utf-16", "t.jsonl", GOOD.encode("utf-16"), r":1: the file is UTF-16"),
     ("nested-1000", "t.jsonl", f"{META}\n{'[' * 1000}{']' * 1000}\n".encode(), r":2: JSON nested too deeply"),
-    ("nested-field", "t.jsonl", f"{META}\n{CALL[:-1]}, \"agent\": {'[' * 900}{']' * 900}}}\n".encode(),
+    ("nested-field", "t.jsonl", f"{META}\n{DEEP_AGENT}\n".encode(),
      r":2: field 'agent': expected a non-empty string, got "),
     ("lone-surrogate", "t.jsonl", f"{META}\n{SURROGATE_CALL}\n".encode(),
      r":2: a string holds a lone surrogate \(not valid Unicode text\), got '\\ud800'"),
@@ -47,6 +48,12 @@ CASES = [  # (id, file name, content, expected message after "NAME")
     ("huge-int", "t.jsonl", f"{META}\n{CALL.replace('8', '9' * 5000, 1)}\n".encode(), r":2: not valid JSON \(Exceeds the limit"),
     ("nul-line", "t.jsonl", f"{META}\n\0\n".encode(), r":2: not valid JSON"),
     ("utf8-bom", "t.jsonl", b"\xef\xbb\xbf" + GOOD.encode(), r":1: not valid JSON \(Unexpected UTF-8 BOM"),
+    ("repeated-key", "t.jsonl", f"{META}\n{CALL[:-1]}, \"agent\": \"b\"}}\n".encode(),
+     rf":2: key 'agent' written twice \(column {len(CALL) + 2}\); which value counts would be left to chance"),
+    ("repeated-meta-key", "t.jsonl", f'{{"pbkv_trace": 1, "block_size": 4, "block_size": 16}}\n{CALL}\n'.encode(),
+     r":1: key 'block_size' written twice \(column 36\)"),
+    ("repeated-nested-key", "t.jsonl", f'{META}\n{CALL[:-1]}, "x": [{{"k": 1, "k": 2}}]}}\n'.encode(),
+     r":2: key 'k' written twice"),
 ]
 
 

@@ -4,7 +4,8 @@
 message starts with `FILE` or `FILE:LINE` for: a missing file, a folder, an unreadable file, a
 `.gz` that is not gzip, corrupt or truncated gzip data, bytes that are not UTF-8 (UTF-16 files
 included), lines that are not JSON, JSON nested too deep or with integers too long to convert,
-and strings holding lone surrogates (`"\\ud800"`: valid JSON, but not text any UTF-8 file or
+an object with a key written twice (`json.loads` would keep the last one silently), and strings
+holding lone surrogates (`"\\ud800"`: valid JSON, but not text any UTF-8 file or
 terminal can hold). No other exception escapes for any file content.
 """
 
@@ -17,6 +18,7 @@ import zlib
 from pathlib import Path
 from typing import IO, Iterator
 
+from pbkv import unique_json
 from pbkv.files import is_text
 
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -83,10 +85,43 @@ def _lone_surrogate(value) -> str | None:
     return None
 
 
+class _RepeatedKey(Exception):
+    """Raised by `_pairs` with the repeated key; `parse_json` finds its column with `unique_json`."""
+
+
+def _pairs(pairs: list) -> dict:
+    """An object's key-value pairs as a dict, refusing a repeated key. (The C scanner calls this
+    per object: much faster on long traces than `unique_json`'s pure-Python scanner.)"""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen = set()
+        raise _RepeatedKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return value
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs)
+
+
+def _repeated(text: str, key: str, where: str) -> TraceError:
+    """The error for `key` written twice in `text`, with its column where it can be found (the
+    pure-Python scanner that finds it recurses deeper than the C one: a deep line gets none)."""
+    try:
+        unique_json.loads(text)
+    except unique_json.DuplicateKey as e:
+        key, column = e.key, f" (column {e.colno})"
+    except RecursionError:
+        column = ""
+    return TraceError(f"{where}: key {key!r} written twice{column}; which value counts would be left to chance")
+
+
 def parse_json(text: str, where: str):
     """One line's JSON value; `TraceError` for anything that is not plain JSON text."""
     try:
-        value = json.loads(text)
+        if text.startswith("\ufeff"):   # as json.loads does (JSONDecoder.decode does not check)
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        value = _DECODER.decode(text)
+    except _RepeatedKey as e:
+        raise _repeated(text, e.args[0], where) from None
     except json.JSONDecodeError as e:
         raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
     except RecursionError:
