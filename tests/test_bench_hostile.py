@@ -133,6 +133,22 @@ def test_plot_lines_never_join_runs_of_different_instance_counts(monkeypatch, tm
         assert labels == {"lru / pbkv x2", "pbkv / pbkv x2", "lru / pbkv x4", "pbkv / pbkv x4"}, name
 
 
+def test_with_auto_pressure_the_concurrency_plot_follows_each_concurrencys_own_capacity(monkeypatch, tmp_path):
+    """`--pressure auto --concurrency 16,32`: each concurrency has its own device size (from its
+    working set) and two regimes; the concurrency plot's lines hold the first tier set's runs at
+    both concurrencies (before: only concurrency 16's, one point per line)."""
+    records = []
+    for conc, device in ((16, 33372), (32, 66745)):
+        for tiers, size, host in (("device", device, 0), ("device+host", device * 2 // 5, device * 4 // 5)):
+            for policy in ("lru", "pbkv"):
+                records.append({"workload": "w", "policy": policy, "concurrency": conc, "tiers": tiers,
+                                "pressure": round(size / 958_000, 4), "device_tokens": size, "host_tokens": host,
+                                "disk_tokens": 0, "device_hit_rate": 0.2,
+                                **({"speedup_vs_lru": 1.1} if policy != "lru" else {})})
+    drawn = plotted_lines(monkeypatch, tmp_path, records)
+    assert sorted(drawn["w.png"]) == [("lru", [16, 32])] * 2 + [("pbkv", [16, 32])] * 2
+
+
 def test_bench_refuses_a_disk_tier_below_no_host_tier(tmp_path):
     # before: the run went ahead and its disk (5000 tokens in the record) was never written to
     r = bench("--pressure", "profile", "--device-tokens", 240, "--host-tokens", 0, "--disk-tokens", 5000,

@@ -192,7 +192,7 @@ def _lines(rows: list[dict], x: str) -> dict[str, list[dict]]:
 
 def write_plots(records: list[dict], out: Path) -> list[Path]:
     """Per workload: speedup over LRU and device hit rate against concurrency, one line per
-    policy, router and instance count (`_lines`; the first memory regime's runs); with several
+    policy, router and instance count (`_lines`; the runs `_first_regime` picks); with several
     device capacities also `WORKLOAD-regimes.png`: speedup and the miss-ratio curve (device hit
     rate against device capacity), one column per tier set, one line per policy, router and
     instance count, at the highest concurrency."""
@@ -206,15 +206,31 @@ def write_plots(records: list[dict], out: Path) -> list[Path]:
         rows = [r for r in records if r["workload"] == workload and r["concurrency"] is not None]
         if not rows:
             continue
-        first = regime_of(rows[0])
-        paths.append(_concurrency_plot(plt, workload, [r for r in rows if regime_of(r) == first], out))
+        paths.append(_concurrency_plot(plt, workload, _first_regime(rows), out))
         if len({r["device_tokens"] for r in rows}) > 1:
             paths.append(_regimes_plot(plt, workload, rows, out))
     return paths
 
 
+def _first_regime(rows: list[dict]) -> list[dict]:
+    """The runs of the concurrency plot: at each concurrency, those of its first regime with the
+    first run's tiers. An explicit regime is the same at every concurrency; `--pressure auto`
+    sizes the device from each concurrency's working set, so there the capacity varies along
+    the line (the plot says so) instead of each line having one point."""
+    tiers = rows[0].get("tiers")
+    kept = []
+    for concurrency in dict.fromkeys(r["concurrency"] for r in rows):
+        mine = [r for r in rows if r["concurrency"] == concurrency and r.get("tiers") == tiers]
+        kept += [r for r in mine if regime_of(r) == regime_of(mine[0])] if mine else []
+    return kept
+
+
 def _concurrency_plot(plt, workload: str, rows: list[dict], out: Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    sizes = sorted({r["device_tokens"] for r in rows})
+    if len(sizes) > 1:
+        fig.suptitle(f"{rows[0].get('tiers') or 'profile tiers'}, device KV tokens sized per concurrency: "
+                     f"{sizes[0]:,} to {sizes[-1]:,}", fontsize="small")
     for label, pts in _lines(rows, "concurrency").items():
         xs = [r["concurrency"] for r in pts]
         ax1.plot(xs, [r.get("speedup_vs_lru", 1.0) for r in pts], marker="o", label=label)
