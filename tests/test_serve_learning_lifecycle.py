@@ -95,3 +95,26 @@ def test_the_servers_own_messages_are_shown_at_its_log_level(capsys):
         logger.handlers, logger.level, logger.propagate = saved
     err = capsys.readouterr().err
     assert "saved the predictor to D" in err and "INFO" in err and "not shown" not in err
+
+
+@pytest.mark.parametrize("floor, saved", [(0, True), (50, False)])
+def test_a_used_background_retrain_is_saved_at_once_so_a_killed_server_keeps_it(tmp_path, floor, saved):
+    """Before: only the graceful shutdown saved, so a SIGKILLed server (or a replica Ray replaced)
+    lost all it had learned. A retrain below the floor (fewer workflows than the loaded
+    predictor) is not used, so it is not saved either."""
+    from pbkv.predict.history import read_history
+    folder = tmp_path / "p"
+    setup = build_policy("pbkv", 16, folder, learn_every=6, learn_steps=20, learn_nice=0)
+    learner = setup.learner
+    learner.floor = floor
+    try:
+        for w in range(6):
+            learner.add(["plan", "code", "test"] if w % 2 else ["plan", "code"], [None, None, None][:2 + w % 2])
+        assert learner.poll() is None and learner._thread is not None   # the retrain started
+        learner._thread.join(timeout=300)
+        assert has_predictor(folder) is saved                           # no shutdown, no finish_learning
+        if saved:
+            assert {"plan", "code", "test"} <= set(load_predictor(folder).agents)
+            assert [[a for a, _ in wf] for wf in read_history(folder)] == [["plan", "code"], ["plan", "code", "test"]] * 3
+    finally:
+        learner.close(kill=True)

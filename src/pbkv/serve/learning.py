@@ -7,6 +7,9 @@
 - online learning (on by default for predicting policies): the policy hands every ended workflow
   to `TrafficLearner` (retrains in a child process, serving never waits) and swaps in the new
   predictor when it is ready (`PBKVPolicy._learn`);
+- each background retrain that is used is saved to `--predictor` at once, on the retrain's
+  thread (serving never waits): a server killed without a graceful stop (SIGKILL, out of
+  memory, Ray replacing a frozen replica) keeps what it learned up to its last retrain;
 - on shutdown the newest neural predictor is saved back to `--predictor` (after a last retrain
   on workflows not yet learned from) as a new version made live atomically, with the learning
   window's workflows (`pbkv.predict.history`): the next server on that folder starts its
@@ -72,6 +75,8 @@ class TrafficLearner(OnlineLearner):
     dropped = 0        # retrains not used: below `floor`, or lost with their process
     nice = DEFAULT_NICE
     floor = 0          # a retrain on fewer workflows is not used (`build_policy`: the loaded predictor's)
+    save_to: Path | None = None   # `--predictor`: where each used background retrain is saved at once
+    save_error: str | None = None  # why the last such save failed (logged; the shutdown save tries again)
     _pool = None
     _lifeline = None
     _killing = False   # set by `close(kill=True)`: a broken pool is then expected
@@ -117,10 +122,26 @@ class TrafficLearner(OnlineLearner):
                               type(e).__name__, e)
                     self.dropped += 1
                 return
+        if self.save_to is not None and predictor.info.get("workflows", 0) >= self.floor:
+            self._save(predictor, traces[-1])
         with self._lock:
             self._ready = predictor
             self.retrains += 1
             self.seconds += time.perf_counter() - start
+
+    def _save(self, predictor, window) -> None:
+        """Save a retrain to `save_to` with the workflows it learned from (`window`: the trace of
+        the learning window when it started), merged with the live version's as at shutdown."""
+        workflows: dict[str, list] = {}
+        for c in window.calls:
+            workflows.setdefault(c.workflow_id, []).append((c.agent, c.context))
+        try:
+            save_atomic(predictor, self.save_to, list(workflows.values()), self.window.maxlen)
+            self.save_error = None
+            log.info("saved a retrain (%d workflows) to %s", len(workflows), self.save_to)
+        except (OSError, ValueError) as e:   # the folder changed since start-up: serving goes on
+            self.save_error = str(e)
+            log.error("cannot save a retrain to %s: %s (serving goes on; shutdown tries again)", self.save_to, e)
 
     def finish(self, final_train: bool = True):
         """At shutdown: wait for a retrain in progress, then (`final_train`) retrain here on the
@@ -227,6 +248,7 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
         learner.nice = learn_nice
         trained_on = predictors[variant].info.get("workflows", 0) if loaded else 0
         learner.floor = min(trained_on, learner.window.maxlen)   # reachable by the window
+        learner.save_to = predictor_dir
         learner.remember(history)
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
     return PolicySetup(policy, learner, variant, predictor_dir, loaded, history)
