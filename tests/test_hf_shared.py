@@ -96,6 +96,22 @@ def test_another_model_never_reads_the_directory(lm, tmp_path):
     assert got.hits()["shared"] == 0
 
 
+def test_one_edited_weight_or_another_rope_base_is_another_model():
+    """Before: the identity hashed ~1,024 strided values per tensor and no config, so a
+    checkpoint with one embedding row edited, or the same weights under another RoPE base, read
+    the other's KV (and changed its greedy output)."""
+    base = identity(load_model("tiny", device="cpu"))
+    edited = load_model("tiny", device="cpu")
+    with torch.no_grad():
+        edited.model.model.embed_tokens.weight[7, 3] += 1e-3   # a value no strided sample reads
+    rope = load_model("tiny", device="cpu")
+    rope.model.config.rope_parameters = {**rope.model.config.rope_parameters, "rope_theta": 5000.0}
+    moved = load_model("tiny", device="cpu")
+    moved.model.config._name_or_path = "/elsewhere/tiny"        # where it was loaded from: the same KV
+    assert identity(load_model("tiny", device="cpu")) == base == identity(moved)
+    assert identity(edited) != base and identity(rope) != base
+
+
 def test_the_directory_stays_within_its_bound(lm, tmp_path):
     per_block = lm.kv_bytes_per_token * BS
     e = engine_for(lm, tmp_path, shared_bytes=10 * per_block)

@@ -3,8 +3,9 @@ replicas, `pbkv serve` instances) read and write (`pbkv.engine.shared_kv.SharedK
 
 - keys: block i of a prompt is stored under `block_hashes(prompt token ids)[i]`
   (`tokens.py`: chained and stable across processes, so a key names the whole prefix up to its
-  block) and the model's identity (`identity`: name, dtype, KV geometry and a fingerprint of
-  the weights, so two checkpoints, or two `tiny` models of different seeds, never share KV).
+  block) and the model's identity (`identity`: name, dtype, KV geometry and fingerprints of
+  the weights and of the config, so two checkpoints, two `tiny` models of different seeds, or
+  one checkpoint under two RoPE settings, never share KV).
   Only full blocks are stored: a partial last block is matched by the same prompt alone, and
   the last prompt token is computed anyway;
 - writes: after a prefill, the full blocks it computed go to the directory on the engine's
@@ -23,6 +24,7 @@ replicas, `pbkv serve` instances) read and write (`pbkv.engine.shared_kv.SharedK
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,27 +41,52 @@ from pbkv.engine.shared_kv import SharedKVDir, model_identity
 
 DEFAULT_SHARED_BYTES = 8 << 30   # the directory's bound when none is given (8 GiB)
 FINGERPRINT_VALUES = 1024        # values sampled per weight tensor for the identity
+SUM_CHUNK = 1 << 24              # values summed at a time (bounds the int64 copy the sum makes)
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# config fields that do not change the KV: where the model was loaded from, the library version
+NOT_KV_CONFIG = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation",
+                 "_attn_implementation_autoset")
+
+
+def _bit_sum(t: torch.Tensor) -> int:
+    """The sum of a tensor's values read as integers of their width (exact: integer arithmetic
+    gives the same sum in any order, on any device). Any change to one value changes it."""
+    flat = t.detach().reshape(-1)
+    ints = flat.view(INT_VIEW[flat.element_size()]) if flat.element_size() in INT_VIEW else flat.view(torch.uint8)
+    # each chunk's int64 sum stays far below 2^63 (2^24 values of at most 2^32 each: < 2^56)
+    return sum(int(ints[i:i + SUM_CHUNK].to(torch.int64).sum()) for i in range(0, ints.numel(), SUM_CHUNK))
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's name, shape, dtype and up to `FINGERPRINT_VALUES` evenly
-    strided values (exact bytes: no reductions, whose result could depend on thread counts)."""
+    """sha256 over every parameter's name, shape, dtype, up to `FINGERPRINT_VALUES` evenly strided
+    values and the integer sum of all of its values' bits (`_bit_sum`: a checkpoint that differs
+    in one value anywhere, e.g. one embedding row, gets another fingerprint; the samples alone
+    missed it). Exact bytes and integer sums: no float reductions, whose result could depend on
+    thread counts. Reads every weight once (about 0.3 s per GB on a CPU core)."""
     h = hashlib.sha256()
     for name, p in model.state_dict().items():
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // FINGERPRINT_VALUES)
         sample = flat[::step][:FINGERPRINT_VALUES].to("cpu").contiguous()
-        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|{_bit_sum(p)}|".encode())
         h.update(sample.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def config_fingerprint(config) -> str:
+    """sha256 of the model config's fields that can change the KV (rope_theta, rope scaling,
+    attention settings, ...): two folders with the same weights and another RoPE base compute
+    other KV. Fields in `NOT_KV_CONFIG` are left out."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in NOT_KV_CONFIG}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def identity(lm) -> str:
     """What must match for two engines' KV to be interchangeable (see the module docstring). The
     name is the model folder's base name: replicas may mount one model at different paths (the
-    weights' fingerprint tells models apart)."""
+    weights' and config's fingerprints tell models apart)."""
     base = model_identity(Path(lm.name).name or lm.name, lm.dtype, lm.layers, lm.kv_heads, lm.head_dim)
-    return f"{base}|{weights_fingerprint(lm.model)}"
+    return f"{base}|{weights_fingerprint(lm.model)}|{config_fingerprint(lm.model.config)}"
 
 
 @dataclass
