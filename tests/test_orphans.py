@@ -12,7 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from pbkv.stale import pid_alive, remove_stale
+from pbkv.engine.hf.kvstore import STALE_KV_DIR
+from pbkv.stale import GRACE_S, OWNER, pid_alive, remove_stale
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -52,7 +53,6 @@ def test_the_retrain_child_exits_when_its_parent_is_killed():
 
 
 def test_stale_kv_folders_of_dead_owners_are_removed_at_start(tmp_path, monkeypatch):
-    from pbkv.engine.hf.kvstore import STALE_KV_DIR
     import torch
     from pbkv.engine.hf.kvstore import KVStore
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -60,14 +60,42 @@ def test_stale_kv_folders_of_dead_owners_are_removed_at_start(tmp_path, monkeypa
     dead.wait()
     stale = tmp_path / f"pbkv-kv-{dead.pid}-abc_123"
     (stale / "sub").mkdir(parents=True)
+    (stale / OWNER).touch()                # its owner's mark, no longer locked by anyone
+    unmarked = tmp_path / f"pbkv-kv-{dead.pid}-old"
+    unmarked.mkdir()                       # no mark (an older pbkv's), and old: removed too
+    os.utime(unmarked, (time.time() - 2 * GRACE_S,) * 2)
+    young = tmp_path / f"pbkv-kv-{dead.pid}-young"
+    young.mkdir()                          # no mark yet: its owner may be about to lock it
     live = tmp_path / f"pbkv-kv-{os.getpid()}-xyz"
     live.mkdir()
     legacy = tmp_path / "pbkv-kv-noowner"  # no PID in the name: cannot tell, left alone
     legacy.mkdir()
     store = KVStore(torch.device("cpu"), worker=None)
-    assert not stale.exists() and live.exists() and legacy.exists()
+    assert not stale.exists() and not unmarked.exists()
+    assert young.exists() and live.exists() and legacy.exists()
+    assert (store.directory / OWNER).is_file()
     assert store.directory.parent == tmp_path and store.directory.name.startswith(f"pbkv-kv-{os.getpid()}-")
     assert remove_stale(tmp_path, STALE_KV_DIR) == []
+
+
+def test_a_folder_held_by_a_process_in_another_pid_namespace_is_never_removed(tmp_path):
+    """Two containers sharing --disk-dir: the other's PID in a folder name is dead (or another
+    process) here. Before: a server removed the live disk tier of one in another container.
+    Its flocked mark now says it is alive; once its holder ends, the folder goes."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    other = tmp_path / f"pbkv-kv-{dead.pid}-elsewhere"    # the PID as this namespace sees it
+    other.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pbkv.stale import hold; "
+                               "hold(sys.argv[1]); print('held', flush=True); time.sleep(600)", str(other)],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert remove_stale(tmp_path, STALE_KV_DIR) == [] and other.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale(tmp_path, STALE_KV_DIR) == [other] and not other.exists()
 
 
 def test_two_stores_on_one_disk_dir_keep_apart_and_leave_nothing(tmp_path):

@@ -34,9 +34,16 @@ from safetensors import SafetensorError
 
 from pbkv.cache import Node, Tier
 from pbkv.engine.hf.disk import CorruptKV, DiskFile, read_file, tensor_sha256, write_file  # noqa: F401
-from pbkv.stale import remove_stale
+from pbkv.stale import hold, remove_stale
 
 STALE_KV_DIR = r"pbkv-kv-(?P<pid>\d+)-\w+"  # a disk tier's own temp folder: prefix, owner PID, mkdtemp suffix
+
+
+def _remove(directory: str, owner: int) -> None:
+    """A store's folder, then its owner mark (`pbkv.stale.hold`). Run once, by `KVStore.close`
+    or when the store is collected: a second close could close another file's descriptor."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.close(owner)
 
 
 @dataclass(eq=False)
@@ -73,7 +80,9 @@ class KVStore:
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale(parent, STALE_KV_DIR)
         self.directory = Path(tempfile.mkdtemp(prefix=f"pbkv-kv-{os.getpid()}-", dir=parent))
-        weakref.finalize(self, shutil.rmtree, str(self.directory), True)   # even without close()
+        # held for the store's life: another container sharing --disk-dir cannot judge our PID
+        # the folder and the mark go once: at close(), else when the store is collected
+        self._remove = weakref.finalize(self, _remove, str(self.directory), hold(self.directory))
         self.staged: dict[int, torch.Tensor] = {}
         self.stats = StoreStats()
         self._names = itertools.count()
@@ -137,7 +146,7 @@ class KVStore:
     def close(self) -> None:
         """Finish pending writes; delete the store's folder."""
         self.worker.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove()   # a finalizer runs at most once
 
     def check(self, tree) -> None:
         """Assert the module invariant over every live node, and that no file is orphaned
