@@ -253,3 +253,17 @@ def test_an_upper_case_spec_suffix_is_a_spec_file(tmp_path, monkeypatch):
         source = source_from_arg(str(spec), 2, 0)
         assert source.name == spec.stem, source
         assert cache_folder(source, "fused", PredictorSource()).name.startswith(spec.stem + "-")
+
+
+def test_an_empty_output_path_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch):
+    """`--disk-dir "$UNSET"`: a Path option reads "" as ".", so the server's disk tier, a shared
+    KV tier or a bench's results went into the current folder without a word."""
+    monkeypatch.chdir(tmp_path)
+    trace = _gen(tmp_path)
+    for args in (["serve", "--disk-dir", ""], ["serve", "--shared-dir", " "], ["serve", "--record", ""],
+                 ["bench", "--out", ""], ["trace", "split", str(trace), "--train-out", "", "--test-out", "b.jsonl"],
+                 ["train", "--trace", str(trace), "-o", ""]):
+        r = runner.invoke(app, args)
+        flat = " ".join(r.output.replace("│", " ").split())   # the message may wrap inside rich's box
+        assert r.exit_code == 2 and "is empty: give a path" in flat, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [trace.name]

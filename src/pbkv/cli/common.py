@@ -68,6 +68,16 @@ SeedOpt = Annotated[int, typer.Option(min=0, max=SEED_MAX, help=(
 TraceFileArg = Annotated[Path, typer.Argument(help="Trace file.")]
 
 
+def written_path(value) -> Path:
+    """A path the command writes to (`parser=` of its option): an empty value (`--out "$UNSET"`)
+    is refused, where a plain `Path` option reads it as `.` and writes into the current folder."""
+    if isinstance(value, Path):
+        return value
+    if not str(value).strip():
+        raise typer.BadParameter("is empty: give a path (an unset shell variable?)")
+    return Path(value)
+
+
 def output_file(path: Path | None) -> Path | None:
     """An output file's path is checked when the command line is read, before any work: a run
     must not train or measure for minutes and then fail to write its result."""
@@ -153,14 +163,14 @@ def save_json(path: Path, data) -> None:
 def output_opt(what: str, folder: bool = False):
     """`-o/--output` whose help says what the command writes there (a file, or with `folder` a folder)."""
     return Annotated[Path, typer.Option("-o", "--output", help=f"Where to write {what}.",
-                                        callback=output_folder if folder else output_file)]
+                                        callback=output_folder if folder else output_file, parser=written_path)]
 
 
 OutputOpt = output_opt("the trace (.jsonl; .jsonl.gz compresses)")
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the figures to this JSON file.",
-                                                 callback=output_file)]
+                                                 callback=output_file, parser=written_path)]
 OutOpt = Annotated[Path, typer.Option(help="Folder for the JSON results, plots, profile and trained predictors.",
-                                      callback=output_folder)]
+                                      callback=output_folder, parser=written_path)]
 
 # ---- what runs
 PoliciesOpt = Annotated[str, typer.Option(

@@ -10,7 +10,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
-                             check_horizon, check_outside, check_outputs, console, exit_on_error, fail, predictor_folder, save_json)
+                             check_horizon, check_outside, check_outputs, console, exit_on_error, fail, predictor_folder, save_json,
+                             written_path)
 
 SPLIT_ADVICE = "try another --seed"   # --split is 50/50: predict-eval has no --test-fraction
 # (variant, row label, JSON key prefix) of the predictors predict-eval trains side by side
@@ -19,7 +20,7 @@ VARIANT_ROWS = (("fused", "fused", ""), ("history", "history-only", "history_"),
 
 def train(
     trace: TracesOpt,
-    output: Annotated[Path, typer.Option("-o", "--output", callback=predictor_folder, help=(
+    output: Annotated[Path, typer.Option("-o", "--output", callback=predictor_folder, parser=written_path, help=(
         "Where to write the predictor folder (for --predictor DIR): new, empty, or a saved predictor "
         "(saved as its next version)."))],
     horizon: HorizonOpt = 3,

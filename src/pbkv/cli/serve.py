@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, ModelOpt, OnlineOpt, PolicyOpt,
-                             PredictorOpt, RouterOpt, ThreadsOpt, console, exit_on_error, fail, output_folder)
+                             PredictorOpt, RouterOpt, ThreadsOpt, written_path, console, exit_on_error, fail, output_folder)
 
 
 def serve(
@@ -21,7 +21,7 @@ def serve(
                                            envvar="PBKV_API_KEY")] = None,
     served_name: Annotated[Optional[str], typer.Option(help="Model id clients send (default: the model's name).")] = None,
     record: Annotated[Optional[Path], typer.Option(
-        help="Write served calls as traces (docs/trace-format.md) into this folder.", callback=output_folder)] = None,
+        help="Write served calls as traces (docs/trace-format.md) into this folder.", callback=output_folder, parser=written_path)] = None,
     record_rotate: Annotated[int, typer.Option(help="Calls per trace file before the next one starts.", min=1)] = 10_000,
     record_context: Annotated[bool, typer.Option(help="Also record each call's latest message (as `context`).")] = False,
     predictor: PredictorOpt = None,
@@ -36,10 +36,10 @@ def serve(
     disk_tokens: DiskTokensOpt = None,
     disk_dir: Annotated[Optional[Path], typer.Option(
         help="Folder for disk-tier KV files: the server writes them in a subfolder of its own there, removed at "
-             "shutdown (default: the system temp folder).", callback=output_folder)] = None,
+             "shutdown (default: the system temp folder).", callback=output_folder, parser=written_path)] = None,
     shared_dir: Annotated[Optional[Path], typer.Option(help="Folder of KV blocks shared with other pbkv servers of the same "
                                                "model (read after the local tiers, written after each prefill; "
-                                               "default: none).", callback=output_folder)] = None,
+                                               "default: none).", callback=output_folder, parser=written_path)] = None,
     shared_bytes: Annotated[Optional[int], typer.Option(help="Bound of --shared-dir in bytes (least recently used files "
                                                 "go first; default 8 GiB).", min=1)] = None,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.", min=1)] = 1024,

@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, check_outputs, console,
-                             exit_on_error, fail, output_file, output_opt, save_json,
+                             written_path, exit_on_error, fail, output_file, output_opt, save_json,
                              status_console)
 
 trace_app = typer.Typer(no_args_is_help=True, help="Inspect, split, flatten, import and export workflow traces.")
@@ -58,9 +58,9 @@ def trace_stats_cmd(
 @trace_app.command("split")
 def trace_split_cmd(
     file: TraceFileArg,
-    train_out: Annotated[Path, typer.Option("--train-out", help="Where the first part goes.", callback=output_file)],
+    train_out: Annotated[Path, typer.Option("--train-out", help="Where the first part goes.", callback=output_file, parser=written_path)],
     test_out: Annotated[Path, typer.Option("--test-out", help="Where the held-out part goes.",
-                                           callback=output_file)],
+                                           callback=output_file, parser=written_path)],
     test_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of task groups held out.")] = 0.5,
     seed: SeedOpt = 0,
 ):
