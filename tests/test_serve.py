@@ -2,6 +2,8 @@
 raw HTTP: answers, streams, stop strings, every error shape, API key, metrics, disconnects."""
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -217,3 +219,38 @@ def test_the_openai_client_retrieves_the_model_and_probes_may_use_head(srv, clie
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
     assert "only allowed when stream is true" in r.json()["error"]["message"]
     assert 'endpoint="/v1/models/{id}"' in httpx.get(srv.url + "/metrics").text
+
+
+def test_a_call_cancelled_while_it_waited_for_room_adds_no_prompt_tokens(torch_threads):  # noqa: F811
+    """A holds the whole device while it decodes; B cannot be admitted, and its client leaves.
+    Before: B's prompt counted in pbkv_prompt_tokens_total but in no hit or recomputed counter,
+    so hits + recomputed fell short of the prompt tokens and every hit rate was understated."""
+    from pbkv.cache import CacheConfig
+    srv = start_server(cache=CacheConfig(device_tokens=1000), max_tokens_limit=1000)
+    try:
+        cancelled = watch_counter(srv.state.metrics.cancelled)
+        first = {"model": "tiny", "prompt": "a" * 40, "max_tokens": 940, "temperature": 0, "ignore_eos": True}
+        with httpx.Client(timeout=120) as c:
+            holder = threading.Thread(target=c.post, args=(srv.url + "/v1/completions",), kwargs={"json": first})
+            holder.start()
+            assert on_engine_until(srv, lambda: srv.state.worker.engine.running_count == 1)
+            with pytest.raises(httpx.ReadTimeout):   # B waits for room; its client gives up
+                httpx.post(srv.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.3),
+                           json={"model": "tiny", "prompt": "b" * 200, "max_tokens": 4, "temperature": 0})
+            assert cancelled.wait(30)
+            holder.join(120)
+        m = srv.state.metrics
+        hits = sum(m.hit_tokens.labels(tier=t)._value.get() for t in ("device", "host", "disk", "shared"))
+        prompt = m.prompt_tokens._value.get()
+        assert prompt == hits + m.recomputed_tokens._value.get() and prompt > 0
+    finally:
+        srv.stop()
+
+
+def on_engine_until(srv, condition, seconds: float = 60) -> bool:
+    """Poll `condition` on the engine thread until it holds (a deadline, no fixed sleep)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if on_engine(srv, condition):
+            return True
+    return False

@@ -237,9 +237,12 @@ class EngineWorker:
         if tail and reason != ERROR:
             job.put(tail)
         completion = len(req.result.tokens) if req.result is not None else 0
-        # per-tier hits are the engine's own count, taken when it first served the call
+        # per-tier hits are the engine's own count, taken when it first served the call; a call
+        # that ended before that (cancelled while it waited for room) served no prompt tokens, so
+        # none are counted: hits + recomputed == prompt tokens, in the metrics as per call
         hits = req.hits()
-        self.metrics.served(req.call.input_length, completion, hits, req.recomputed, reason == CANCELLED)
+        prompt = req.call.input_length if req.counted else 0
+        self.metrics.served(prompt, completion, hits, req.recomputed, reason == CANCELLED)
         self._record(job, req, completion)
         self._count(-1)
         try:  # the run ends (policy told, trace written) before the answer: a client that has it sees the end
