@@ -128,3 +128,22 @@ def test_a_full_disk_is_a_write_error_not_a_disk_hit(tmp_path, monkeypatch):
     store._write(f)
     assert store.stats.write_errors == 1 and f.error and f.data is None   # lost, never served from RAM
     store.close()
+
+
+def test_a_disk_tier_folder_removed_under_the_server_is_made_again(tmp_path):
+    """Before: writes failed for the rest of the server's life, counted nowhere in /metrics."""
+    import shutil
+
+    import torch
+
+    from pbkv.engine.hf import kvstore
+    from pbkv.engine.hf.disk import DiskFile
+    from pbkv.engine.hf.transfer import Worker
+    store = kvstore.KVStore(torch.device("cpu"), Worker(), tmp_path)
+    shutil.rmtree(store.directory)
+    f = DiskFile(store.directory / "kv-0.safetensors", 4, data=torch.zeros(1, 1, 1, 4, 2))
+    store._write(f)
+    assert f.error is None and f.path.is_file()
+    assert store.stats.folder_remade == 1 and store.stats.write_errors == 0
+    store.close()
+    assert not store.directory.exists()

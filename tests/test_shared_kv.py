@@ -193,3 +193,14 @@ def test_two_processes_write_and_read_the_same_keys(tmp_path):
     s = SharedKVDir(tmp_path, MODEL, 10**9)
     assert all(torch.equal(s.get(h), block(h)) for h in keys) and s.stats.corrupt == 0
     assert not list(tmp_path.glob("*/.tmp-*"))
+
+
+def test_a_directory_removed_while_in_use_is_made_again_by_the_next_write(tmp_path):
+    """Before: every write after an `rm -rf` of the directory failed (its 2-hex subfolder's
+    parent was gone), so the tier stayed dead until a restart."""
+    import shutil
+    root = tmp_path / "shared"
+    s = SharedKVDir(root, MODEL, 10**9)
+    assert s.put(1, block(1))
+    shutil.rmtree(root)
+    assert s.get(1) is None and s.put(2, block(2)) and torch.equal(s.get(2), block(2))

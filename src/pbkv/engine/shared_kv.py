@@ -104,7 +104,7 @@ class SharedKVDir:
         if final.is_file():
             self.stats.already_present += 1
             return False
-        final.parent.mkdir(exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)   # parents: the directory itself may have been removed
         data = kv.detach().to("cpu").contiguous()
         tmp = final.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._names)}"
         meta = {"format": FORMAT, "key": self.key(block_hash), "model": self.model_id,

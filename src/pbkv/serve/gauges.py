@@ -63,6 +63,10 @@ def engine_snapshot(engine: HFEngine, in_flight: int, active_workflows: int,
                 "Tokens loaded up to the device, by source tier (shared: the directory shared with other engines).",
                 [({"tier": t}, cache.stats.loaded[tier]) for t, tier in TIERS]
                 + [({"tier": "shared"}, stats.loaded_tokens[SHARED])]),
+        _one(CounterMetricFamily, "pbkv_disk_write_errors_total", "Disk-tier writes that failed (their KV is "
+             "lost, recomputed when needed; see the log).", engine.store.stats.write_errors),
+        _one(CounterMetricFamily, "pbkv_disk_corrupt_total", "Disk-tier reads refused by a check (checksum, "
+             "truncation, missing file; their tokens recomputed).", engine.store.stats.corrupt),
         _one(CounterMetricFamily, "pbkv_prefetched_tokens_total", "Tokens the policy prefetched to the device.",
              stats.prefetched_tokens),
         _one(CounterMetricFamily, "pbkv_policy_fallbacks_total", "Times a policy hook raised and the cache "

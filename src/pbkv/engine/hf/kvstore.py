@@ -21,6 +21,7 @@ completes the move. A node whose data proved unreadable is marked `lost`.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from pbkv.cache import Node, Tier
 from pbkv.engine.hf.disk import CorruptKV, DiskFile, read_file, tensor_sha256, write_file  # noqa: F401
 from pbkv.stale import hold, remove_stale
 
+log = logging.getLogger("pbkv.engine")
 STALE_KV_DIR = r"pbkv-kv-(?P<pid>\d+)-\w+"  # a disk tier's own temp folder: prefix, owner PID, mkdtemp suffix
 
 
@@ -61,6 +63,7 @@ class StoreStats:
     files_written: int = 0
     bytes_written: int = 0
     write_errors: int = 0
+    folder_remade: int = 0             # times the store's folder was gone at a write (made again)
     corrupt: int = 0                   # disk reads refused (checksum, truncation, missing file)
     read_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # by source tier
     read_bytes: list[int] = field(default_factory=lambda: [0, 0, 0])
@@ -230,13 +233,22 @@ class KVStore:
                 self.worker.submit(f.path.unlink, missing_ok=True)
 
     def _write(self, f: DiskFile) -> None:
-        """(worker thread) Write a disk entry; on failure the entry is lost, never half-served."""
+        """(worker thread) Write a disk entry; on failure the entry is lost, never half-served.
+        A store folder removed under the running server (a cleanup job) is made again."""
         try:
+            if not self.directory.is_dir():
+                log.warning("the disk tier's folder %s was removed under the running server: made again "
+                            "(the KV files it held are lost, their tokens recomputed when needed)", self.directory)
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self.stats.folder_remade += 1
             self.stats.bytes_written += write_file(f)
             self.stats.files_written += 1
         except (OSError, RuntimeError, SafetensorError) as e:   # safetensors' own error: not an OSError
             f.error = str(e)
             self.stats.write_errors += 1
+            if self.stats.write_errors == 1 or self.stats.write_errors % 1000 == 0:   # not one line per block
+                log.error("disk-tier write failed (%d so far; that KV is lost, recomputed when needed): %s",
+                          self.stats.write_errors, e)
         f.data = None  # readers now go to the file (or fail on f.error)
 
     def _read_file(self, f: DiskFile) -> torch.Tensor:
