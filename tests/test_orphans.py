@@ -75,7 +75,7 @@ def test_stale_kv_folders_of_dead_owners_are_removed_at_start(tmp_path, monkeypa
     assert young.exists() and live.exists() and legacy.exists()
     assert (store.directory / OWNER).is_file()
     assert store.directory.parent == tmp_path and store.directory.name.startswith(f"pbkv-kv-{os.getpid()}-")
-    assert remove_stale(tmp_path, STALE_KV_DIR) == []
+    assert remove_stale(tmp_path, STALE_KV_DIR, marked=True) == []
 
 
 def test_a_folder_held_by_a_process_in_another_pid_namespace_is_never_removed(tmp_path):
@@ -91,11 +91,11 @@ def test_a_folder_held_by_a_process_in_another_pid_namespace_is_never_removed(tm
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC})
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert remove_stale(tmp_path, STALE_KV_DIR) == [] and other.exists()
+        assert remove_stale(tmp_path, STALE_KV_DIR, marked=True) == [] and other.exists()
     finally:
         holder.kill()
         holder.wait()
-    assert remove_stale(tmp_path, STALE_KV_DIR) == [other] and not other.exists()
+    assert remove_stale(tmp_path, STALE_KV_DIR, marked=True) == [other] and not other.exists()
 
 
 def test_two_stores_on_one_disk_dir_keep_apart_and_leave_nothing(tmp_path):

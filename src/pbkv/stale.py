@@ -8,8 +8,9 @@ A PID names a process only within its PID namespace: two containers sharing one 
 each other's PIDs as dead (or as someone else). So a folder that lives long (a disk tier's) is
 also marked with `hold`: an flock on `OWNER` inside it, kept for the owner's life (the kernel
 drops it when the process ends, however it ends; flock works across namespaces on one host).
-`remove_stale` never removes a folder whose mark is locked, nor one younger than
-`GRACE_S` without a mark (its owner may be between creating it and locking it).
+`remove_stale(..., marked=True)` (for such folders) never removes one whose mark is locked,
+nor one younger than `GRACE_S` without a mark (its owner may be between creating it and
+locking it).
 This module sits below every layer (it imports nothing from pbkv).
 """
 
@@ -84,10 +85,11 @@ def _zombie(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:][:1] == b"Z"
 
 
-def remove_stale(folder: str | Path, pattern: str | re.Pattern) -> list[Path]:
+def remove_stale(folder: str | Path, pattern: str | re.Pattern, marked: bool = False) -> list[Path]:
     """Remove the entries of `folder` whose name fully matches `pattern` (a regex with a group
-    named `pid`), whose PID is not alive and that no live process holds (`_held`). Returns what
-    was removed; errors are ignored (another process may be cleaning the same folder)."""
+    named `pid`) and whose PID is not alive; with `marked` (entries made by owners that `hold`
+    them), also only those no live process holds (`_held`). Returns what was removed; errors
+    are ignored (another process may be cleaning the same folder)."""
     regex = re.compile(pattern)
     removed = []
     try:
@@ -96,7 +98,7 @@ def remove_stale(folder: str | Path, pattern: str | re.Pattern) -> list[Path]:
         return removed
     for entry in entries:
         m = regex.fullmatch(entry.name)
-        if m is None or pid_alive(int(m.group("pid"))) or _held(entry):
+        if m is None or pid_alive(int(m.group("pid"))) or (marked and _held(entry)):
             continue
         try:
             if entry.is_dir() and not entry.is_symlink():

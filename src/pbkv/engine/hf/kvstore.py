@@ -81,7 +81,7 @@ class KVStore:
         # go first.
         parent = Path(directory) if directory is not None else Path(tempfile.gettempdir())
         parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(parent, STALE_KV_DIR)
+        remove_stale(parent, STALE_KV_DIR, marked=True)
         self.directory = Path(tempfile.mkdtemp(prefix=f"pbkv-kv-{os.getpid()}-", dir=parent))
         # held for the store's life: another container sharing --disk-dir cannot judge our PID
         # the folder and the mark go once: at close(), else when the store is collected
