@@ -152,7 +152,7 @@ def test_hidden_state_of_the_last_prompt_token_reaches_the_policy(lm):
     with torch.inference_mode():
         full = lm.model.base_model(input_ids=torch.tensor([A + [9, 9]])).last_hidden_state[0, -1]
     assert spy.hidden[1].shape == (lm.hidden_size,)
-    np.testing.assert_allclose(spy.hidden[1], full.numpy(), atol=1e-5)
+    np.testing.assert_allclose(spy.hidden[1], full.numpy(), rtol=1e-4, atol=1e-4)   # two orders of float sums
 
 
 def test_sampling_is_reproducible_and_cache_independent(lm):

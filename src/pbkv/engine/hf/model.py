@@ -88,10 +88,13 @@ def load_model(name_or_path: str, device: str | torch.device | None = None,
 
 
 def tiny_model(seed: int = 0):
+    """A random 2-layer Llama. Its weights are drawn wide (`initializer_range` 0.5, not the usual
+    0.02) so its greedy output depends on the prompt: with small weights it answered almost the
+    same tokens to every prompt, and an equality check of outputs could not see wrong KV."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                      attn_implementation="sdpa")
+                      attn_implementation="sdpa", initializer_range=0.5)
     with torch.random.fork_rng(devices=[]):  # seeded without disturbing the caller's generator
         torch.manual_seed(seed)
         return LlamaForCausalLM(cfg)
