@@ -69,7 +69,8 @@ def ingress_state(cfg: ServeConfig, handle, replicas: int) -> ServerState:
                       "theirs was lost before any text reached the client.", registry=metrics.registry)
     failed = Counter("pbkv_replica_failed_requests_total", "Calls ended with a replica_failed error: their "
                      "replica was lost mid-stream, or again on the retry.", registry=metrics.registry)
-    worker = RemoteWorker(handle, info["block_size"], retried, failed)
+    worker = RemoteWorker(handle, info["block_size"], retried, failed,
+                          running=lambda: running_replicas(handle.app_name))
     state = ServerState(model_name=info["model_name"], policy_name=info["policy"], tokenizer=info["tokenizer"],
                         worker=worker, metrics=metrics, max_context=info["max_context"], config=cfg)
     merger = Merger()   # remembers every replica's counters: the totals never go down

@@ -26,6 +26,13 @@ all or nothing (one frozen replica times the whole call out; with no replica run
 or did not answer is logged and left out, never raised. When no replica answers a workflow end,
 the endpoint gets a 503 `replicas_unavailable` with Retry-After (Ray is restarting them, or every
 one is stuck), not a 404: nobody could say whether the workflow ran.
+
+No replica running (all lost, and Ray cannot start new ones yet, or ever: a constructor that
+raises is retried forever): Ray's router would hold a call in its queue with no time limit, and
+the call would keep its `--max-queue` slot. So a call is refused at once with 503
+`replicas_unavailable` (Retry-After) while the router knows no running replica (`check_ready`,
+what /health reads), and a call already waiting to be placed gives up with the same answer once
+no replica has run for `NO_REPLICA_WAIT_S` in a row (a restart faster than that still serves it).
 This module imports without Ray (unit-tested with fake handles).
 """
 
@@ -34,16 +41,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
+from typing import Callable
 
 from pbkv.engine.hf import ERROR, block_hashes
 from pbkv.scale.failover import Action, decide, route_hints
 from pbkv.serve.errors import APIError
-from pbkv.serve.generate import REPLICA_FAILED
+from pbkv.serve.generate import REPLICA_FAILED, REPLICAS_UNAVAILABLE, RETRY_AFTER_S as RETRY_AFTER_BY_CODE
 from pbkv.serve.jobs import Done, Job
 
 log = logging.getLogger("pbkv.scale")
 MAX_VISITED = 100_000   # workflows remembered for ending elsewhere (ones that end idle are never popped)
-RETRY_AFTER_S = 5       # Ray restarts a lost replica in tens of seconds: clients retry a few times meanwhile
+RETRY_AFTER_S = RETRY_AFTER_BY_CODE[REPLICAS_UNAVAILABLE]   # Ray restarts replicas in tens of seconds
+NO_REPLICA_WAIT_S = 10.0   # a call waiting to be placed gives up after this long with no replica running
+POLL_S = 0.25              # how often a waiting call asks whether any replica runs
 REPLICA_TIMEOUT_S = 5.0   # a replica that has not answered a broadcast by then is left out of it
 
 
@@ -53,10 +64,17 @@ def replica_lost(exc: BaseException | None) -> bool:
     return isinstance(exc, RayActorError)
 
 
-def replicas_unavailable() -> APIError:
+def replicas_unavailable(message: str = "No engine replica answered (they may be restarting); retry later.") -> APIError:
     """No engine replica answered: nothing can be said about the request, retry it later."""
-    return APIError(503, "No engine replica answered (they may be restarting); retry later.", "server_error",
-                    None, "replicas_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return APIError(503, message, "server_error", None, REPLICAS_UNAVAILABLE,
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+NOT_RUNNING = "No engine replica is running (Ray may be restarting them); retry later."
+
+
+class NoReplica(Exception):
+    """A call waited `NO_REPLICA_WAIT_S` to be placed while no replica ran."""
 
 
 async def _replica_results(response) -> list:
@@ -106,8 +124,12 @@ async def broadcast(handle, method: str, *args) -> list:
 
 
 class RemoteWorker:
-    def __init__(self, handle, block_size: int, retried, failed, max_retries: int = 1):
-        self.handle = handle
+    """`running()`: the replicas running now as the ingress's router knows them (None: unknown,
+    never refused); see the module docstring."""
+
+    def __init__(self, handle, block_size: int, retried, failed, max_retries: int = 1,
+                 running: Callable[[], int | None] = lambda: None):
+        self.handle, self.running = handle, running
         self.stream = handle.options(method_name="generate", stream=True)
         self.block_size, self.max_retries = block_size, max_retries
         self.retried, self.failed = retried, failed   # prometheus counters of the ingress
@@ -129,6 +151,11 @@ class RemoteWorker:
     def _ended(self, job: Job) -> None:
         self.in_flight -= 1
         self.tasks.pop(id(job), None)
+
+    def check_ready(self) -> None:
+        """Raises 503 `replicas_unavailable` while no replica runs (as /health says then)."""
+        if self.running() == 0:
+            raise replicas_unavailable(NOT_RUNNING)
 
     def cancel(self, job: Job) -> None:
         """The client went away: stop reading (which cancels the replica's stream and its job)."""
@@ -172,6 +199,10 @@ class RemoteWorker:
                 if job.hints.done and workflow_id is not None:
                     self._end_elsewhere(workflow_id, replica)
                 return
+            if isinstance(exc, NoReplica):
+                log.warning("no engine replica ran for %g s while a call waited: answered 503", NO_REPLICA_WAIT_S)
+                job.events.put_nowait(Done(ERROR, len(job.prompt_ids), code=REPLICAS_UNAVAILABLE, error=NOT_RUNNING))
+                return
             action = decide(replica_lost(exc), sent, retries, self.max_retries)
             if action is Action.RETRY:
                 retries += 1
@@ -196,7 +227,8 @@ class RemoteWorker:
         gen = self.stream.remote(route, copy)
         replica, sent, held = None, False, []
         try:
-            async for event in gen:
+            event = await self._placed(gen)
+            while True:
                 if isinstance(event, dict):
                     replica = event.get("replica")
                 elif isinstance(event, Done):
@@ -209,12 +241,38 @@ class RemoteWorker:
                     sent = True
                 else:
                     held.append(event)
+                event = await gen.__anext__()
+        except StopAsyncIteration:
             return None, replica, sent, RuntimeError("the replica's stream ended without an answer")
         except asyncio.CancelledError:
             gen.cancel()
             raise
+        except NoReplica as e:
+            gen.cancel()   # before assignment Ray drops it from its queue
+            return None, None, False, e
         except Exception as e:  # noqa: BLE001 - decided by the caller (failover.decide)
             return None, replica, sent, e
+
+    async def _placed(self, gen):
+        """The stream's first event (the replica's id: the call was placed); raises `NoReplica`
+        once no replica has been running for `NO_REPLICA_WAIT_S` in a row meanwhile."""
+        first = asyncio.ensure_future(gen.__anext__())
+        down_since = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({first}, timeout=POLL_S)
+                if done:
+                    return first.result()
+                if self.running() != 0:
+                    down_since = None
+                    continue
+                now = time.monotonic()
+                down_since = now if down_since is None else down_since
+                if now - down_since >= NO_REPLICA_WAIT_S:
+                    raise NoReplica()
+        finally:
+            if not first.done():
+                first.cancel()
 
     def _end_elsewhere(self, workflow_id: str, served_by: str | None) -> None:
         """A `workflow_done` call ended the run where it ran; end the workflow's runs elsewhere."""

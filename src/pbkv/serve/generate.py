@@ -27,6 +27,10 @@ from pbkv.serve.workflows import Hints
 CONTEXT_CHARS = 500      # the latest message, as the predictor's `context` text
 CLIENT_GONE = 499        # status of an answer nobody waits for any more (nginx's convention)
 REPLICA_FAILED = "replica_failed"   # `Done.code` of a call lost with its engine replica (pbkv.scale): 503
+REPLICAS_UNAVAILABLE = "replicas_unavailable"   # `Done.code` of a call no engine replica could take: 503
+# Retry-After per 503 code: a lost call's retry goes to another replica at once; with no replica
+# running, Ray restarts them in tens of seconds, so clients retry a few times meanwhile
+RETRY_AFTER_S = {REPLICA_FAILED: 1, REPLICAS_UNAVAILABLE: 5}
 
 
 @dataclass
@@ -63,6 +67,9 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
                           "context_length_exceeded")
     if state.worker.in_flight >= limits.max_queue:
         raise overloaded(state.worker.in_flight)
+    ready = getattr(state.worker, "check_ready", None)   # pbkv.scale's worker: raises while no replica runs
+    if ready is not None:
+        ready()
     sampling = Sampling(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                         ignore_eos=body.ignore_eos)   # EOS ids: the engine's (the tokenizer's)
     job = Job(list(prompt_ids), sampling, hints, body.stops(), context[-CONTEXT_CHARS:] if context else None,
@@ -113,7 +120,8 @@ async def respond(state, request: Request, p: Prepared):
         if done is None:  # the client went away: stop generating for nobody
             worker.cancel(job)
     if done.reason == ERROR:
-        retry = {"Retry-After": "1"} if done.code == REPLICA_FAILED else None
+        after = RETRY_AFTER_S.get(done.code)
+        retry = None if after is None else {"Retry-After": str(after)}
         raise APIError(503 if retry else 500, f"The server failed while generating: {done.error}", "server_error",
                        None, done.code, headers=retry)
     _observe(state, start, first)
