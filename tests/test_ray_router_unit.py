@@ -100,3 +100,40 @@ def test_with_measured_costs_the_router_weighs_what_the_replicas_report():
     assert fixed.pbkv_router.config.prefill_s_per_token == 1e-3       # off by default
     choose(measured, [FakeReplica("r0"), FakeReplica("r1")], request("w2"))
     assert measured.pbkv_router.config.prefill_s_per_token == 1e-3    # no report: the configured cost again
+
+
+class StreamHandle:
+    """Enough of a deployment handle for `RemoteWorker.route`."""
+    app_name = "unit-app"
+
+    def options(self, **_):
+        return self
+
+
+def test_the_sticky_router_never_keeps_a_one_call_workflow_and_forgets_one_that_ended():
+    """The ingress's hints reach the router: a call without a workflow id is a workflow of one
+    call, ended with it; a `workflow_done` call ends its workflow; so `sticky`'s map stays empty
+    (before, it grew by one entry per call, forever)."""
+    from pbkv.engine.sampling import Sampling
+    from pbkv.scale.remote import RemoteWorker
+    from pbkv.serve.jobs import Job
+    from pbkv.serve.workflows import Hints
+
+    r, replicas = router("sticky"), [FakeReplica("a"), FakeReplica("b")]
+    worker = RemoteWorker(StreamHandle(), 16, None, None)
+
+    def call(hints: Hints) -> str:
+        job = Job(list(range(40)), Sampling(max_new_tokens=4), hints)
+        pending = FakePending([worker.route(job), job])
+        chosen = choose(r, replicas, pending)[0][0]
+        r.on_request_routed(pending, FakeId(chosen), None)
+        return chosen
+
+    for _ in range(50):
+        call(Hints())
+    assert len(r.pbkv_router.home) == 0
+    for w in range(20):
+        first = call(Hints(f"w{w}", "a0"))
+        assert r.pbkv_router.home[f"w{w}"] == first
+        assert call(Hints(f"w{w}", "a1", done=True)) == first     # still sticky on its last call
+    assert len(r.pbkv_router.home) == 0

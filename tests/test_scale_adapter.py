@@ -108,3 +108,39 @@ def test_measured_costs_are_the_median_of_what_replicas_report_and_the_config_st
     assert (cfg.prefill_s_per_token, cfg.transfer_s_per_token) == (3e-5, 4e-7)
     assert (cfg.queue_s_per_request, cfg.can_fetch) == (0.01, True)
     assert base.prefill_s_per_token == 1e-3                       # a copy: the configured costs stay
+
+
+def test_a_hints_dict_ends_its_workflow_only_when_it_says_done():
+    from pbkv.scale.adapter import hinted_call
+    from pbkv.scale.failover import route_hints
+    assert hinted_call([route_hints("w", "a", [1], 16, 4)]).done is False
+    assert hinted_call([route_hints("w", "a", [1], 16, 4, done=True)]).done is True
+    assert hinted_call([{"workflow_id": "w", "hash_ids": [1], "done": "yes"}]).done is False   # malformed: no
+
+
+def test_a_workflow_ended_by_its_endpoint_is_forgotten_by_this_process_routers_of_that_app():
+    from dataclasses import dataclass
+    from pbkv.scale import adapter
+
+    @dataclass(eq=False)
+    class Router:   # the Ray router's face `workflow_ended` reads
+        app_name: str
+        pbkv_router: object
+
+    mine, other = Router("app1", make_router("sticky")), Router("app2", make_router("sticky"))
+    for r in (mine, other):
+        adapter.register_router(r)
+        r.pbkv_router.home["w"] = "a"
+    adapter.workflow_ended("app1", "w")
+    assert "w" not in mine.pbkv_router.home and other.pbkv_router.home == {"w": "a"}
+
+
+def test_sticky_remembers_at_most_max_workflows_the_least_recently_routed_forgotten_first():
+    r = make_router("sticky")
+    r.max_workflows = 3
+    views = [ReplicaSnapshot("a", 0.0, frozenset(), {}, 16)]
+    for w in ("w0", "w1", "w2"):
+        r.choose(RouteRequest(w, "", (), 16), views)
+    r.choose(RouteRequest("w0", "", (), 16), views)      # w0 routed again: now the most recent
+    r.choose(RouteRequest("w3", "", (), 16), views)
+    assert list(r.home) == ["w2", "w0", "w3"]

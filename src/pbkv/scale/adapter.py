@@ -12,7 +12,8 @@ Blocks a replica evicted linger for at most those two reports. The overlay is al
 (`max_blocks` per replica; when full it is cleared, costing routing quality until the next report).
 
 Requests carry pbkv's hints as a dict (`workflow_id`, `agent`, `hash_ids`, `input_tokens`, and
-optionally `output_tokens`, `reuse_probability`, `next_prefix`; without a `reuse_probability`,
+optionally `output_tokens`, `reuse_probability`, `next_prefix`, `done`: the call ends its
+workflow, and the router forgets the workflow once it placed it; without a `reuse_probability`,
 `with_reported_reuse` takes the one the workflow's home replica reported); `route_request` finds
 that dict among a call's arguments and returns None for anything else (routed as plain load
 balancing).
@@ -125,12 +126,12 @@ def _median(values: list[float]) -> float:
 
 
 def hinted_call(args: Iterable, kwargs: Mapping | None = None, chunks: TextChunks = TextChunks()) -> LLMCall | None:
-    """A call's hints: a pbkv hints dict (`route_request`; it never ends its workflow), else a Ray
-    Serve LLM chat/completion request with a workflow id (`find_llm_call`), else None."""
+    """A call's hints: a pbkv hints dict (`route_request`; it ends its workflow when its `done` is
+    true), else a Ray Serve LLM chat/completion request with a workflow id (`find_llm_call`), else None."""
     args = list(args)
     request = route_request(args, kwargs)
     if request is not None:
-        return LLMCall(request, done=False)
+        return LLMCall(request, done=hints_dict(args, kwargs).get("done") is True)
     return find_llm_call(args, kwargs, chunks)
 
 
@@ -243,6 +244,15 @@ def decision_seconds(clear: bool = False) -> list[float]:
         for r in routers:
             r.decision_s.clear()
     return out
+
+
+def workflow_ended(app_name: str | None, workflow_id: str) -> None:
+    """Tells this process's routers of the app `app_name` that `workflow_id` ended (a workflow end
+    that no call carried: `POST /v1/workflows/{id}/end`), so they forget it."""
+    for router in list(_ROUTERS):
+        inner = getattr(router, "pbkv_router", None)
+        if inner is not None and _app_of(router) == app_name:
+            inner.on_workflow_end(workflow_id)
 
 
 def running_replicas(app_name: str) -> int | None:

@@ -30,11 +30,12 @@ def decide(replica_lost: bool, text_sent: bool, retries: int, max_retries: int =
 
 
 def route_hints(workflow_id: str, agent: str | None, hash_ids: list[int], input_tokens: int,
-                output_tokens: int, avoid: list[str] | None = None) -> dict:
+                output_tokens: int, avoid: list[str] | None = None, done: bool = False) -> dict:
     """The dict the router reads among a call's arguments (`pbkv.scale.adapter.route_request`);
-    `avoid`: replica ids a retry must not go to (when another replica is there)."""
+    `avoid`: replica ids a retry must not go to (when another replica is there); `done`: the call
+    ends its workflow (the router forgets the workflow once it placed it)."""
     out = {"workflow_id": workflow_id, "agent": agent or "", "hash_ids": list(hash_ids),
-           "input_tokens": input_tokens, "output_tokens": output_tokens}
+           "input_tokens": input_tokens, "output_tokens": output_tokens, "done": bool(done)}
     if avoid:
         out["avoid"] = list(avoid)
     return out

@@ -45,6 +45,7 @@ import time
 from typing import Callable
 
 from pbkv.engine.hf import ERROR, block_hashes
+from pbkv.scale.adapter import workflow_ended
 from pbkv.scale.failover import Action, decide, route_hints
 from pbkv.serve.errors import APIError
 from pbkv.serve.generate import REPLICA_FAILED, REPLICAS_UNAVAILABLE, RETRY_AFTER_S as RETRY_AFTER_BY_CODE
@@ -167,6 +168,7 @@ class RemoteWorker:
         """Resolves to whether any replica that answered had a run of `workflow_id` (and ended it);
         raises `replicas_unavailable()` when none answered."""
         self.visited.pop(workflow_id, None)
+        workflow_ended(getattr(self.handle, "app_name", None), workflow_id)   # this process's routers
         return asyncio.ensure_future(self._end_everywhere(workflow_id))
 
     async def _end_everywhere(self, workflow_id: str) -> bool:
@@ -182,9 +184,12 @@ class RemoteWorker:
     # ------------------------------------------------------------------ one job
 
     def route(self, job: Job) -> dict:
-        workflow_id = job.hints.workflow_id or f"call-{secrets.token_hex(8)}"   # a one-call workflow
+        """The router's hints; a call without a workflow id is a one-call workflow, which ends
+        with it (so the router never remembers it)."""
+        one_call = job.hints.workflow_id is None
+        workflow_id = f"call-{secrets.token_hex(8)}" if one_call else job.hints.workflow_id
         return route_hints(workflow_id, job.hints.agent, block_hashes(job.prompt_ids, self.block_size),
-                           len(job.prompt_ids), job.sampling.max_new_tokens)
+                           len(job.prompt_ids), job.sampling.max_new_tokens, done=one_call or job.hints.done)
 
     async def _pump(self, job: Job) -> None:
         route, retries = self.route(job), 0
