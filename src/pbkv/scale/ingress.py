@@ -13,6 +13,7 @@ Retry-After), so a load balancer probing /health stops sending traffic here mean
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from prometheus_client import Counter
@@ -46,6 +47,17 @@ def health(state: ServerState, running: int | None) -> dict:
     if not running:
         raise ReplicasDown({"model": state.model_name, "policy": state.policy_name, "replicas": 0})
     return {"replicas": running}
+
+
+STOP_TIMEOUT_S = 300.0   # a replica's shutdown may train and save its predictor first
+
+
+def stop_replicas(handle, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+    """Every replica's shutdown (`EngineReplica.stop`), before the deployment is deleted: the
+    predictor save errors of those that answered (a replica that did not answer in time is
+    logged, and stops when the deployment is deleted)."""
+    answers = asyncio.run(broadcast(handle, "stop", timeout_s=timeout_s))
+    return [a for a in answers if a]
 
 
 def wait_for_replicas(handle, replicas: int, timeout: float = 120.0) -> list[dict]:

@@ -103,11 +103,12 @@ class _Done:
         return self.value
 
 
-async def broadcast(handle, method: str, *args) -> list:
-    """`method(*args)`'s answers from the replicas that answered within `REPLICA_TIMEOUT_S` each
-    (in no given order); [] when no replica runs (or the deployment cannot be reached). Never
-    raises an error of a replica or of Ray; a call that got fewer answers logs one warning."""
-    timeout_s = REPLICA_TIMEOUT_S
+async def broadcast(handle, method: str, *args, timeout_s: float | None = None) -> list:
+    """`method(*args)`'s answers from the replicas that answered within `timeout_s` (default
+    `REPLICA_TIMEOUT_S`) each (in no given order); [] when no replica runs (or the deployment
+    cannot be reached). Never raises an error of a replica or of Ray; a call that got fewer answers
+    logs one warning."""
+    timeout_s = REPLICA_TIMEOUT_S if timeout_s is None else timeout_s
     try:
         results = await asyncio.wait_for(_replica_results(handle.broadcast(method, *args)), timeout_s)
     except Exception as exc:  # noqa: BLE001 - DeploymentUnavailableError, a timeout: no replica to ask

@@ -36,6 +36,12 @@ subfolders whose lock nobody holds (`pbkv.scale.disk`).
 Health (`check_health`, called by Ray's controller every `health_check_period_s`): it raises
 while the engine thread is dead or stuck (`pbkv.scale.health.EngineWatch`), so Ray replaces a
 replica whose event loop still answers but whose calls never would.
+
+Shutdown (`stop`): the ingress asks every replica to stop before it deletes the deployment, so it
+hears each one's failed predictor save (`pbkv serve` then exits 1, as one process does). `stop`
+runs `stop_engine` once, off the event loop (health checks still answer: a stopping replica
+passes them, its engine thread being stopped on purpose); Ray's graceful stop (`__del__`) then
+finds it done. A replica the ingress could not reach stops in `__del__` as before.
 """
 
 from __future__ import annotations
@@ -111,6 +117,12 @@ def stop_engine(state, mine: OwnDisk | None) -> None:
     _remove_own(mine)
 
 
+def save_error(state) -> str | None:
+    """Why the shutdown's predictor save failed (`PolicySetup.save_error`), or None."""
+    setup = getattr(state, "setup", None)
+    return getattr(setup, "save_error", None)
+
+
 def _remove_own(mine: OwnDisk | None) -> None:
     if mine is None:
         return
@@ -160,9 +172,19 @@ class EngineReplica:
         self.fetch_s_per_token = None   # measured over this replica's fetches (running mean)
 
     def check_health(self) -> None:
-        """Ray Serve's health check: raises while the engine thread is dead or stuck (`EngineWatch`).
-        Not async on purpose: it never waits, so it answers even while the engine is busy."""
-        self.watch.check()
+        """Ray Serve's health check: raises while the engine thread is dead or stuck (`EngineWatch`),
+        unless the replica is stopping. Not async on purpose: it never waits, so it answers even
+        while the engine is busy."""
+        if not getattr(self, "stopping", False):
+            self.watch.check()
+
+    async def stop(self) -> str | None:
+        """The replica's shutdown (see the module docstring), once; why its predictor save failed,
+        or None."""
+        if not getattr(self, "stopping", False):
+            self.stopping = True
+            await asyncio.to_thread(stop_engine, self.state, getattr(self, "own_disk", None))
+        return save_error(self.state)
 
     # ------------------------------------------------------------------ the router's view
 
@@ -266,6 +288,8 @@ class EngineReplica:
         return self.id, s.metrics.exposition(snapshot).decode()
 
     def __del__(self):
-        """Ray Serve's graceful stop: `stop_engine` (nothing when the constructor failed early)."""
-        if hasattr(self, "state"):
+        """Ray Serve's graceful stop: `stop_engine` (nothing when the constructor failed early, or
+        when `stop` ran it)."""
+        if hasattr(self, "state") and not getattr(self, "stopping", False):
+            self.stopping = True
             stop_engine(self.state, getattr(self, "own_disk", None))

@@ -36,7 +36,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from pbkv.scale.ingress import ingress_state
+from pbkv.scale.ingress import ingress_state, stop_replicas
 from pbkv.scale.probe import CPU_COSTS, ROUTER_CLASS
 from pbkv.scale.options import ReplicaOptions, check_local, check_options, check_reachable, local_machine
 from pbkv.scale.replica import EngineReplica
@@ -135,9 +135,10 @@ def shutdown(app_name: str, own_ray: bool) -> None:
             ray.shutdown()
 
 
-def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info", layout_checked: bool = False) -> None:
-    """`pbkv serve --replicas N`: in the foreground until Ctrl-C, then the deployment is deleted
-    (`layout_checked`: see `start_ray`)."""
+def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info", layout_checked: bool = False) -> list[str]:
+    """`pbkv serve --replicas N`: in the foreground until Ctrl-C, then every replica stops (its
+    predictor saved) and the deployment is deleted (`layout_checked`: see `start_ray`). The
+    replicas' predictor save errors (`pbkv serve` exits 1 when there are any)."""
     from pbkv.serve.server import check_config, run as run_ingress
     check_config(cfg)
     check_options(opts)
@@ -147,5 +148,9 @@ def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info", layout_
         state = ingress_state(cfg, handle, opts.replicas)
         log.info("%d engine replicas up behind the %r router", opts.replicas, opts.router)
         run_ingress(cfg, log_level, state=state)
+        errors = stop_replicas(handle)   # uvicorn has finished every call: nothing runs on them now
+        if errors:
+            log.error("%d engine replica(s) could not save the predictor: %s", len(errors), "; ".join(errors))
+        return errors
     finally:
         shutdown(opts.app_name, own_ray)
