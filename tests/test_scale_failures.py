@@ -40,7 +40,7 @@ class Unavailable(Exception):
 class FakeReplica:
     """One replica's behaviour: answers, raises, or never answers (`frozen`, as under SIGSTOP)."""
     id: str
-    prompt_tokens: int = 0
+    started: int = 0   # workflows it started: an engine counter the ingress does not count itself
     workflows: set = field(default_factory=set)
     frozen: bool = False
     calls: int = 0
@@ -51,7 +51,7 @@ class FakeReplica:
             await asyncio.Event().wait()
         if method == "metrics":
             m = Metrics()
-            m.prompt_tokens.inc(self.prompt_tokens)
+            m.workflows_started.inc(self.started)
             return self.id, m.exposition().decode()
         if method == "end_workflow":
             found = args[0] in self.workflows
@@ -114,20 +114,20 @@ def _ingress(handle: FakeHandle):
 
 
 def test_with_every_replica_gone_metrics_health_and_end_answer_without_a_500(short_timeout):
-    a, b = FakeReplica("a", prompt_tokens=30), FakeReplica("b", prompt_tokens=12)
+    a, b = FakeReplica("a", started=30), FakeReplica("b", started=12)
     handle = FakeHandle(a, b)
     router = FakeRouter(handle.app_name, {"a": a, "b": b})
     adapter.register_router(router)
 
     async def main():
         async with _ingress(handle) as http:
-            assert parse((await http.get("/metrics", headers=AUTH)).text)["pbkv_prompt_tokens_total"] == 42
+            assert parse((await http.get("/metrics", headers=AUTH)).text)["pbkv_workflows_started_total"] == 42
             assert (await http.get("/health")).json()["replicas"] == 2
             handle.error, router.curr_replicas = Unavailable("Deployment(name='PBKVEngine')"), {}   # both killed
             metrics = await http.get("/metrics", headers=AUTH)
             assert metrics.status_code == 200
             got = parse(metrics.text)
-            assert got["pbkv_replicas"] == 0 and got["pbkv_prompt_tokens_total"] == 42   # their last counts
+            assert got["pbkv_replicas"] == 0 and got["pbkv_workflows_started_total"] == 42   # their last counts
             assert got['pbkv_requests_total{endpoint="/metrics",status="200"}'] == 1     # the ingress's own
             end = await http.post("/v1/workflows/w1/end", headers=AUTH)
             assert end.status_code == 503 and end.headers["retry-after"] == str(remote.RETRY_AFTER_S)
@@ -141,7 +141,7 @@ def test_with_every_replica_gone_metrics_health_and_end_answer_without_a_500(sho
 
 
 def test_a_frozen_replica_leaves_metrics_and_end_to_the_others_within_the_timeout(short_timeout):
-    a, b = FakeReplica("a", prompt_tokens=5, workflows={"w1"}), FakeReplica("b", prompt_tokens=7)
+    a, b = FakeReplica("a", started=5, workflows={"w1"}), FakeReplica("b", started=7)
     handle = FakeHandle(a, b)
 
     async def main():
@@ -150,8 +150,8 @@ def test_a_frozen_replica_leaves_metrics_and_end_to_the_others_within_the_timeou
             a.frozen = True
             start = time.monotonic()
             got = parse((await http.get("/metrics", headers=AUTH)).text)
-            assert got["pbkv_replicas"] == 1 and got['pbkv_prompt_tokens_total{replica="b"}'] == 7
-            assert got["pbkv_prompt_tokens_total"] == 12                 # a's last known 5 still counts
+            assert got["pbkv_replicas"] == 1 and got['pbkv_workflows_started_total{replica="b"}'] == 7
+            assert got["pbkv_workflows_started_total"] == 12             # a's last known 5 still counts
             end = await http.post("/v1/workflows/w2/end", headers=AUTH)
             assert end.status_code == 404                               # b answered: it had no run of w2
             assert time.monotonic() - start < 10 * remote.REPLICA_TIMEOUT_S

@@ -20,7 +20,7 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from pbkv.scale.adapter import running_replicas
-from pbkv.scale.metrics_merge import Merger
+from pbkv.scale.metrics_merge import SERVED, Merger
 from pbkv.scale.remote import RETRY_AFTER_S, RemoteWorker, broadcast
 from pbkv.serve.app import ServerState
 from pbkv.serve.errors import APIError
@@ -82,10 +82,10 @@ def ingress_state(cfg: ServeConfig, handle, replicas: int) -> ServerState:
     failed = Counter("pbkv_replica_failed_requests_total", "Calls ended with a replica_failed error: their "
                      "replica was lost mid-stream, or again on the retry.", registry=metrics.registry)
     worker = RemoteWorker(handle, info["block_size"], retried, failed,
-                          running=lambda: running_replicas(handle.app_name))
+                          running=lambda: running_replicas(handle.app_name), metrics=metrics)
     state = ServerState(model_name=info["model_name"], policy_name=info["policy"], tokenizer=info["tokenizer"],
                         worker=worker, metrics=metrics, max_context=info["max_context"], config=cfg)
-    merger = Merger()   # remembers every replica's counters: the totals never go down
+    merger = Merger(own_totals=SERVED)   # served tokens counted here; other counters: each replica's last
 
     async def exposition() -> bytes:
         texts = dict(await broadcast(handle, "metrics"))   # (replica id, its text) of those that answered

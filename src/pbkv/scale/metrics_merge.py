@@ -21,6 +21,15 @@ Totals (`Merger` keeps what they need from one scrape to the next):
   prediction yet reports 0 accuracy, which says nothing).
 Families the ingress owns (`INGRESS`: HTTP requests, latency, retries) come from the ingress
 only (a replica serves no HTTP); the ingress's other families are dropped (its engine is remote).
+
+Served tokens (`SERVED`: prompt, completion, hit per tier, recomputed): with `Merger(own_totals=
+SERVED)` (the ingress does) their totals are the ingress's own counts, taken from the usage of
+every answer a replica sent it (`pbkv.scale.remote`), so they hold every answered call, also one
+whose replica died before any scrape (a replica's own counters reach the ingress only when
+scraped). Their per-replica samples stay the replicas' own, so the per-replica samples of a
+replica gone between scrapes need not add up to the total. Every other engine family (workflows,
+cancellations, peer KV, the engine's gauges and histograms) is the replicas' own figure, merged as
+above: such a total misses what a replica did after its last answered scrape.
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ HIT_RATE = "pbkv_cache_hit_rate"
 # engine's families (zero: its engine is remote) are dropped, the replicas' are merged
 INGRESS = {"pbkv_requests", "pbkv_request_latency_seconds", "pbkv_time_to_first_token_seconds",
            "pbkv_replica_retried_requests", "pbkv_replica_failed_requests"}
+# families whose totals an ingress may count itself, from the answers' usage (see the docstring)
+SERVED = frozenset({"pbkv_prompt_tokens", "pbkv_completion_tokens", "pbkv_cache_hit_tokens",
+                    "pbkv_cache_recomputed_tokens"})
 
 
 def _key(name: str, labels: Mapping[str, str]) -> tuple:
@@ -102,7 +114,8 @@ class Merger:
     sums). `last` grows by one entry per replica ever seen: Ray replaces a lost replica, it does
     not add replicas without bound."""
 
-    def __init__(self):
+    def __init__(self, own_totals: frozenset = frozenset()):
+        self.own_totals = own_totals   # families whose totals are the ingress's own (`SERVED`)
         self.headers: dict[str, tuple] = {}   # cumulative family name -> (name, documentation, type, unit)
         self.last: dict[str, dict[str, dict[tuple, Sample]]] = {}   # replica id -> family -> sample key -> sample
 
@@ -111,7 +124,9 @@ class Merger:
         `extra`, then the replicas' families (`replicas`: replica id -> its /metrics text, of the
         replicas that answered) merged as the module docstring says. Replicas are listed in id
         order, so the text is deterministic."""
-        own_families = [f for f in text_string_to_metric_families(own) if f.name in INGRESS]
+        own_all = {f.name: f for f in text_string_to_metric_families(own)}
+        own_families = [f for name, f in own_all.items() if name in INGRESS]
+        counted = {name: own_all[name] for name in self.own_totals if name in own_all}
         answered: dict[str, list[tuple[str, Metric]]] = {}
         weights = {}
         for replica in sorted(replicas):
@@ -121,7 +136,8 @@ class Merger:
                 answered.setdefault(family.name, []).append((replica, family))
         self._remember(answered)
         names = list(answered) + [name for name in self.headers if name not in answered]
-        merged = {name: self._family(name, answered.get(name, []), weights) for name in names}
+        names += [name for name in sorted(counted) if name not in names]
+        merged = {name: self._family(name, answered.get(name, []), weights, counted.get(name)) for name in names}
         _recompute_hit_rate(merged)
         return generate_latest(_Families(own_families + list(extra) + list(merged.values())))
 
@@ -136,14 +152,18 @@ class Merger:
                         if k not in known or sample.value > known[k].value:
                             known[k] = sample
 
-    def _family(self, name: str, answered: list[tuple[str, Metric]], weights: Mapping[str, float]) -> Metric:
-        """One merged family: its totals first, then the answering replicas' own samples."""
+    def _family(self, name: str, answered: list[tuple[str, Metric]], weights: Mapping[str, float],
+                own: Metric | None = None) -> Metric:
+        """One merged family: its totals first (`own`'s samples when the ingress counts them),
+        then the answering replicas' own samples."""
         header = self.headers.get(name)
         if header is None:
-            first = answered[0][1]
+            first = own if own is not None else answered[0][1]
             header = (first.name, first.documentation, first.type, first.unit)
         out = Metric(*header)
-        if header[2] in CUMULATIVE:
+        if own is not None:
+            totals = _sums([own.samples])
+        elif header[2] in CUMULATIVE:
             totals = _sums(self.last[r][name].values() for r in sorted(self.last) if name in self.last[r])
         elif name in WEIGHTED:
             totals = _weighted_means(answered, weights)

@@ -130,8 +130,9 @@ class RemoteWorker:
     never refused); see the module docstring."""
 
     def __init__(self, handle, block_size: int, retried, failed, max_retries: int = 1,
-                 running: Callable[[], int | None] = lambda: None):
+                 running: Callable[[], int | None] = lambda: None, metrics=None):
         self.handle, self.running = handle, running
+        self.metrics = metrics   # the ingress's `Metrics`: served tokens counted from each answer
         self.stream = handle.options(method_name="generate", stream=True)
         self.block_size, self.max_retries = block_size, max_retries
         self.retried, self.failed = retried, failed   # prometheus counters of the ingress
@@ -238,6 +239,7 @@ class RemoteWorker:
                 if isinstance(event, dict):
                     replica = event.get("replica")
                 elif isinstance(event, Done):
+                    self._count(event)
                     for piece in held:
                         job.events.put_nowait(piece)
                     job.events.put_nowait(event)
@@ -258,6 +260,16 @@ class RemoteWorker:
             return None, None, False, e
         except Exception as e:  # noqa: BLE001 - decided by the caller (failover.decide)
             return None, replica, sent, e
+
+    def _count(self, done: Done) -> None:
+        """A replica's answer, counted from its usage as its engine counted it (hits per tier plus
+        recomputed tokens make the prompt tokens). An engine error is not counted: its usage does
+        not say whether the engine served the prompt (its own counters say)."""
+        if self.metrics is None or done.reason == ERROR:
+            return
+        hits = dict(done.cached or {})
+        recomputed = max(0, done.prompt_tokens - sum(hits.values()))
+        self.metrics.served(done.prompt_tokens, done.completion_tokens, hits, recomputed, cancelled=False)
 
     async def _placed(self, gen):
         """The stream's first event (the replica's id: the call was placed); raises `NoReplica`
