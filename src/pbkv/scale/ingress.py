@@ -20,6 +20,7 @@ from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
 from pbkv.scale.adapter import running_replicas
+from pbkv.scale.handoff import learn_left_over, pooled
 from pbkv.scale.metrics_merge import SERVED, Merger
 from pbkv.scale.remote import RETRY_AFTER_S, RemoteWorker, broadcast
 from pbkv.serve.app import ServerState
@@ -52,12 +53,15 @@ def health(state: ServerState, running: int | None) -> dict:
 STOP_TIMEOUT_S = 300.0   # a replica's shutdown may train and save its predictor first
 
 
-def stop_replicas(handle, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
-    """Every replica's shutdown (`EngineReplica.stop`), before the deployment is deleted: the
-    predictor save errors of those that answered (a replica that did not answer in time is
-    logged, and stops when the deployment is deleted)."""
+def stop_replicas(handle, cfg: ServeConfig, block_size: int, timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+    """Every replica's shutdown (`EngineReplica.stop`), before the deployment is deleted, then a
+    predictor trained on the workflows they had too few of (`pbkv.scale.handoff`): the predictor
+    save errors (a replica that did not answer in time is logged, and stops when the deployment
+    is deleted)."""
     answers = asyncio.run(broadcast(handle, "stop", timeout_s=timeout_s))
-    return [a for a in answers if a]
+    errors, left = pooled(answers)
+    error = learn_left_over(cfg, block_size, left)
+    return errors + ([error] if error else [])
 
 
 def wait_for_replicas(handle, replicas: int, timeout: float = 120.0) -> list[dict]:

@@ -38,7 +38,8 @@ while the engine thread is dead or stuck (`pbkv.scale.health.EngineWatch`), so R
 replica whose event loop still answers but whose calls never would.
 
 Shutdown (`stop`): the ingress asks every replica to stop before it deletes the deployment, so it
-hears each one's failed predictor save (`pbkv serve` then exits 1, as one process does). `stop`
+hears each one's failed predictor save (`pbkv serve` then exits 1, as one process does) and gets
+the ended workflows of a replica that had too few to train on (`pbkv.scale.handoff`). `stop`
 runs `stop_engine` once, off the event loop (health checks still answer: a stopping replica
 passes them, its engine thread being stopped on purpose); Ray's graceful stop (`__del__`) then
 finds it done. A replica the ingress could not reach stops in `__del__` as before.
@@ -117,12 +118,6 @@ def stop_engine(state, mine: OwnDisk | None) -> None:
     _remove_own(mine)
 
 
-def save_error(state) -> str | None:
-    """Why the shutdown's predictor save failed (`PolicySetup.save_error`), or None."""
-    setup = getattr(state, "setup", None)
-    return getattr(setup, "save_error", None)
-
-
 def _remove_own(mine: OwnDisk | None) -> None:
     if mine is None:
         return
@@ -178,13 +173,17 @@ class EngineReplica:
         if not getattr(self, "stopping", False):
             self.watch.check()
 
-    async def stop(self) -> str | None:
-        """The replica's shutdown (see the module docstring), once; why its predictor save failed,
-        or None."""
+    async def stop(self) -> dict:
+        """The replica's shutdown (see the module docstring), once: {"save_error": why its
+        predictor save failed or None, "unsaved": the ended workflows it had too few of to train
+        on, left to the ingress (`pbkv.scale.handoff`)}."""
+        setup = getattr(self.state, "setup", None)
         if not getattr(self, "stopping", False):
             self.stopping = True
+            if setup is not None:
+                setup.hand_off = True
             await asyncio.to_thread(stop_engine, self.state, getattr(self, "own_disk", None))
-        return save_error(self.state)
+        return {"save_error": getattr(setup, "save_error", None), "unsaved": list(getattr(setup, "unsaved", []))}
 
     # ------------------------------------------------------------------ the router's view
 

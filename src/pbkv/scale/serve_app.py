@@ -148,7 +148,8 @@ def run(cfg: ServeConfig, opts: ReplicaOptions, log_level: str = "info", layout_
         state = ingress_state(cfg, handle, opts.replicas)
         log.info("%d engine replicas up behind the %r router", opts.replicas, opts.router)
         run_ingress(cfg, log_level, state=state)
-        errors = stop_replicas(handle)   # uvicorn has finished every call: nothing runs on them now
+        # uvicorn has finished every call: nothing runs on the replicas now
+        errors = stop_replicas(handle, cfg, state.worker.block_size)
         if errors:
             log.error("%d engine replica(s) could not save the predictor: %s", len(errors), "; ".join(errors))
         return errors

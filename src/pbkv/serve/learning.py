@@ -55,6 +55,10 @@ class PolicySetup:
     loaded: bool
     history: list = field(default_factory=list)   # workflows saved with the loaded predictor
     save_error: str | None = None   # why the shutdown save failed (`pbkv serve` then exits 1)
+    # `pbkv serve --replicas`: too few workflows ended here to train at shutdown, so they are kept
+    # in `unsaved` for the ingress to train on with the other replicas' (pbkv.scale.handoff)
+    hand_off: bool = False
+    unsaved: list = field(default_factory=list)
 
 
 class TrafficLearner(OnlineLearner):
@@ -280,7 +284,11 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     from pbkv.predict.predictor import NeuralPredictor
     predictor = getattr(policy, "predictor", None)
     if not isinstance(predictor, NeuralPredictor):
-        if learner is not None:   # the session's workflows are lost: say so where an operator looks
+        if learner is not None and setup.hand_off:
+            setup.unsaved = learner.workflows()
+            log.info("%d ended workflows left to the ingress to train on with the other replicas'",
+                     len(setup.unsaved))
+        elif learner is not None:   # the session's workflows are lost: say so where an operator looks
             log.warning("nothing saved to %s: a predictor is first trained at shutdown once %d workflows "
                         "with agent hints have ended (%d did); they are not kept", setup.predictor_dir,
                         MIN_FINAL_TRAIN, len(learner.window))
