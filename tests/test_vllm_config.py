@@ -62,6 +62,16 @@ def test_stats_path_refuses_a_directory(tmp_path):
     assert "kv_connector_extra_config.stats_path" in refused({"stats_path": str(tmp_path)})
 
 
+def test_stats_path_must_be_in_an_existing_directory(tmp_path):
+    """It is first written when a request finishes: a missing directory must fail at start."""
+    missing = str(tmp_path / "no-such-dir" / "stats.json")
+    message = refused({"stats_path": missing})
+    assert "kv_connector_extra_config.stats_path=" in message and "no-such-dir' is not one" in message
+    (tmp_path / "file").write_text("")
+    assert "is not one" in refused({"stats_path": str(tmp_path / "file" / "stats.json")})
+    assert parse_extra({"stats_path": "stats.json"}).stats_path == "stats.json"   # the working directory
+
+
 def test_unknown_keys_are_refused_with_the_known_keys_listed():
     message = refused({"host_token": 5, "polcy": "pbkv", "policy": "lru"})
     assert "kv_connector_extra_config.host_token (did you mean 'host_tokens'?)" in message

@@ -2,6 +2,8 @@
 
 Skipped where vLLM is not importable (the main venv); `.ci/run` runs them in .venv-vllm."""
 
+import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -213,3 +215,16 @@ def test_two_instances_share_blocks_through_shared_dir(tmp_path):
 def test_shared_dir_with_an_unshareable_hash_is_refused(tmp_path):
     with pytest.raises(ValueError, match="shared_dir .* refused: prefix_caching_hash_algo 'xxhash'"):
         make_shared(KVConnectorRole.SCHEDULER, tmp_path, algo="xxhash")
+
+
+def test_stats_path_write_failures_never_reach_vllm(tmp_path, caplog):
+    d = tmp_path / "stats"
+    d.mkdir()
+    c = make(KVConnectorRole.SCHEDULER, stats_path=str(d / "s.json"))
+    c.request_finished(request("a", 1), [])
+    assert json.loads((d / "s.json").read_text())["requests"] == 0 and os.listdir(d) == ["s.json"]
+    d.rename(tmp_path / "gone")
+    with caplog.at_level("WARNING", logger="pbkv.vllm"):
+        c.request_finished(request("b", 1), [])
+        c.request_finished(request("c", 1), [])
+    assert len([m for m in caplog.messages if "stats_path" in m]) == 1

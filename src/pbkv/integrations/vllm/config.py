@@ -10,7 +10,8 @@ anything is built; every problem of one config is reported together. Rules:
 - `policy`: a non-empty string (the policy registry then checks the name);
 - `predictor_dir`, `disk_dir`, `shared_dir`: non-empty strings naming a directory or a path that
   does not exist yet (the nearest existing ancestor must be a directory);
-- `stats_path`: a non-empty string that is not an existing directory;
+- `stats_path`: a non-empty string that is not an existing directory, in an existing directory
+  (it is written as requests finish, long after start: a write that fails then is only logged);
 - `device_tokens`, `host_tokens`, `disk_tokens`: integers >= 0 (0 device tokens: vLLM's whole
   pool, as in `CacheConfig.resolve`); `shared_bytes`: an integer > 0;
 - `steer_gpu`: a JSON boolean.
@@ -79,6 +80,9 @@ def _file(value: Any) -> str | None:
     problem = _path(value)
     if problem is None and os.path.isdir(value):
         return "must name a file, not a directory"
+    parent = os.path.dirname(value) or "."
+    if problem is None and not os.path.isdir(parent):
+        return f"must name a file in an existing directory ({parent!r} is not one)"
     return problem
 
 

@@ -74,6 +74,7 @@ class PBKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.shadow = self._make_shadow(self.config)
             self.shadow.shared = self._shared(vllm_config, self.config, None)
+            self._stats_failed = False
         else:
             self.store = BlockStore(self.config.disk_dir, rank=rank,
                                     shared=self._shared(vllm_config, self.config, rank))
@@ -145,11 +146,26 @@ class PBKVConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._local.pop(request.request_id, None)
         self.shadow.finished(request.request_id)
-        path = self.config.stats_path
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(self.stats(), f)
+        if self.config.stats_path is not None:
+            self._write_stats(self.config.stats_path)
         return False, None
+
+    def _write_stats(self, path: str) -> None:
+        """Replace the stats file atomically (a reader never sees half of one); an error is
+        logged once and never reaches vLLM (it would fail the request and hang the engine)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.stats(), f)
+            os.replace(tmp, path)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if not self._stats_failed:
+                log.warning("pbkv connector: cannot write stats_path %r (%s); stats are not written", path, e)
+            self._stats_failed = True
 
     def stats(self) -> dict:
         s = self.shadow.stats
