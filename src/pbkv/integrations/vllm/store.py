@@ -13,10 +13,14 @@ and the same plan (the scheduler's decisions reach all ranks); files carry the r
 With a shared directory (`shared.py`) a rank also loads blocks from it (checked; a missing or
 bad one is reported as a failed load, so vLLM recomputes it) and writes the blocks it computed
 there, once, on a writer thread (the copy out of the paged cache is made first, in step).
+
+A disk write that fails (directory removed, disk full) never raises into vLLM: it is counted and
+logged once, and the key is then not held at all, so a later load of it fails (vLLM recomputes).
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import weakref
@@ -32,6 +36,7 @@ from safetensors.torch import save_file
 from pbkv.engine.hf.disk import CorruptKV, tensor_sha256
 
 FORMAT = "pbkv-vllm-block"
+log = logging.getLogger("pbkv.vllm")
 
 
 @dataclass
@@ -45,6 +50,7 @@ class StoreStats:
     loaded_shared_blocks: int = 0
     shared_failed: int = 0  # planned shared loads that found no valid file (vLLM recomputes them)
     shared_queued: int = 0  # blocks handed to the shared writer
+    write_failed: int = 0   # disk-tier writes that failed (the block is then not held)
 
 
 class BlockStore:
@@ -83,11 +89,7 @@ class BlockStore:
             if data is None:
                 self.stats.missing += 1
                 return
-            path = self.directory / f"r{self.rank}-{key:016x}.safetensors"
-            digest = tensor_sha256(data)
-            save_file({"kv": data.contiguous()}, str(path), metadata={"format": FORMAT, "sha256": digest})
-            self.disk[key] = (path, digest)
-            self.stats.files_written += 1
+            self._write(key, data)
         elif op == "host":
             if key in self.ram:
                 return
@@ -162,6 +164,23 @@ class BlockStore:
         t, dim = self.layers[0]
         return data.dtype == t.dtype and tuple(data.shape) == (len(self.layers), *t.select(dim, block_id).shape)
 
+    def _write(self, key: int, data: torch.Tensor) -> None:
+        """Write one block's file; on failure keep nothing for `key` (count it, log the first)."""
+        path = self.directory / f"r{self.rank}-{key:016x}.safetensors"
+        digest = tensor_sha256(data)
+        try:
+            save_file({"kv": data.contiguous()}, str(path), metadata={"format": FORMAT, "sha256": digest})
+        except (OSError, RuntimeError, SafetensorError) as e:
+            if not self.stats.write_failed:
+                log.warning("pbkv connector: disk tier write to %s failed (%s: %s); blocks that fail to be "
+                            "written are dropped (vLLM recomputes them); further failures are counted only",
+                            path, type(e).__name__, e)
+            self.stats.write_failed += 1
+            _remove(path)   # a partial file must not outlive its failed write
+            return
+        self.disk[key] = (path, digest)
+        self.stats.files_written += 1
+
     def _read(self, key: int) -> torch.Tensor:
         entry = self.disk.get(key)
         if entry is None:
@@ -180,4 +199,11 @@ class BlockStore:
     def _unlink(self, key: int) -> None:
         entry = self.disk.pop(key, None)
         if entry is not None:
-            entry[0].unlink(missing_ok=True)
+            _remove(entry[0])
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass   # forgotten either way: a file the store does not list is never read
