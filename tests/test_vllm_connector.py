@@ -228,3 +228,15 @@ def test_stats_path_write_failures_never_reach_vllm(tmp_path, caplog):
         c.request_finished(request("b", 1), [])
         c.request_finished(request("c", 1), [])
     assert len([m for m in caplog.messages if "stats_path" in m]) == 1
+
+
+def test_the_helper_recomputes_failed_loads_and_fail_is_warned_about(caplog):
+    assert KVTransferConfig(**kv_transfer_config("lru")).kv_load_failure_policy == "recompute"
+    with caplog.at_level("WARNING", logger="pbkv.vllm"):
+        make(KVConnectorRole.SCHEDULER)
+        assert not [m for m in caplog.messages if "kv_load_failure_policy" in m]
+        cfg = SimpleNamespace(kv_transfer_config=KVTransferConfig(**{**kv_transfer_config("lru"),
+                                                                     "kv_load_failure_policy": "fail"}),
+                              cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(rank=0))
+        PBKVConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=16))
+    assert [m for m in caplog.messages if "kv_load_failure_policy is 'fail'" in m]

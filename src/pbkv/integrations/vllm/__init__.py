@@ -35,6 +35,9 @@ def require_vllm():
 
 
 def kv_transfer_config(policy: str = "pbkv", **extra) -> dict:
-    """The `kv_transfer_config` that loads the pbkv connector (for `LLM(...)` / `--kv-transfer-config`)."""
+    """The `kv_transfer_config` that loads the pbkv connector (for `LLM(...)` / `--kv-transfer-config`).
+
+    It sets `kv_load_failure_policy` to "recompute": vLLM's default, "fail", would fail a request
+    whose block the connector cannot load (a corrupt or lost file) instead of recomputing it."""
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE, "kv_role": "kv_both",
-            "kv_connector_extra_config": {"policy": policy, **extra}}
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"policy": policy, **extra}}

@@ -21,7 +21,9 @@ and one per worker rank (`store.BlockStore`: the data). Decisions travel as the 
 (`PBKVMeta`), so every rank executes the same plan. Loads are synchronous (done in
 `start_load_kv`, before the forward), saves happen in `wait_for_save` (after it); both copy
 whole blocks between the paged cache and the store. A block that fails to load is reported
-through `get_block_ids_with_load_errors`, and vLLM recomputes it.
+through `get_block_ids_with_load_errors`; with `kv_load_failure_policy` "recompute" (set by
+`pbkv.integrations.vllm.kv_transfer_config`) vLLM recomputes it, with "fail" (vLLM's default)
+it fails the request (the connector warns at start).
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ class PBKVConnector(KVConnectorBase_V1):
             self.shadow = self._make_shadow(self.config)
             self.shadow.shared = self._shared(vllm_config, self.config, None)
             self._stats_failed = False
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "fail":
+                log.warning("pbkv connector: kv_load_failure_policy is 'fail', so a block the connector cannot "
+                            "load (a corrupt or lost file) fails its request instead of being recomputed; set "
+                            "\"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config "
+                            "(pbkv.integrations.vllm.kv_transfer_config does)")
         else:
             self.store = BlockStore(self.config.disk_dir, rank=rank,
                                     shared=self._shared(vllm_config, self.config, rank))
