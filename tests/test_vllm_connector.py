@@ -217,6 +217,32 @@ def test_shared_dir_with_an_unshareable_hash_is_refused(tmp_path):
         make_shared(KVConnectorRole.SCHEDULER, tmp_path, algo="xxhash")
 
 
+def test_failed_loads_reach_the_shadow_through_update_connector_output(tmp_path):
+    """vLLM hands the worker's `get_block_ids_with_load_errors` to the scheduler's connector as
+    `KVConnectorOutput.invalid_block_ids`; the keys from the failed block on are then owed."""
+    from vllm.v1.outputs import KVConnectorOutput
+    import torch
+    s, w = make(KVConnectorRole.SCHEDULER, host_tokens=1024), make(KVConnectorRole.WORKER, disk_dir=str(tmp_path))
+    w.register_kv_caches({"l0": torch.randn(16, 2, BS, 8)})
+    r = request("a", 3)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, None, 0)
+    s.build_connector_meta(sched_output([("a", [4, 5, 6, 7], 0)], {"a": 3 * BS + 1}))
+    s.request_finished(r, [4, 5, 6, 7])
+    r2 = request("a", 3)
+    r2.request_id = "b"
+    s.get_num_new_matched_tokens(r2, 0)
+    s.update_state_after_alloc(r2, None, 3 * BS)
+    w.bind_connector_metadata(s.build_connector_meta(sched_output([("b", [9, 10, 11, 12], 0)], {"b": 3 * BS + 1})))
+    w.start_load_kv(None)      # the worker never saw "a": every load fails
+    w.wait_for_save()
+    failed = w.get_block_ids_with_load_errors()
+    assert failed == {9, 10, 11} and not w.store.ram
+    s.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+    assert s.shadow.owed == {block_key(h) for h in r.block_hashes} and s.stats()["load_failed_blocks"] == 3
+    assert s.get_num_new_matched_tokens(request("a", 3), 0) == (0, False)   # no key offered while owed
+
+
 def test_stats_path_write_failures_never_reach_vllm(tmp_path, caplog):
     d = tmp_path / "stats"
     d.mkdir()

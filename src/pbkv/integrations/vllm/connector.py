@@ -23,7 +23,9 @@ and one per worker rank (`store.BlockStore`: the data). Decisions travel as the 
 whole blocks between the paged cache and the store. A block that fails to load is reported
 through `get_block_ids_with_load_errors`; with `kv_load_failure_policy` "recompute" (set by
 `pbkv.integrations.vllm.kv_transfer_config`) vLLM recomputes it, with "fail" (vLLM's default)
-it fails the request (the connector warns at start).
+it fails the request (the connector warns at start). Either way no wrong KV is kept: the worker
+saves nothing computed from a failed block in that step, and `update_connector_output` tells
+the shadow, which plans those saves again when the blocks are next computed (`shadow.py`).
 """
 
 from __future__ import annotations
@@ -157,6 +159,11 @@ class PBKVConnector(KVConnectorBase_V1):
             self._write_stats(self.config.stats_path)
         return False, None
 
+    def update_connector_output(self, connector_output) -> None:
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed:
+            self.shadow.load_failed(set(failed))
+
     def _write_stats(self, path: str) -> None:
         """Replace the stats file atomically (a reader never sees half of one); an error is
         logged once and never reaches vLLM (it would fail the request and hang the engine)."""
@@ -186,12 +193,7 @@ class PBKVConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PBKVMeta)
-        for op, key in meta.plan.moves:
-            self.store.move(op, key)
-        for key, block_id in meta.plan.loads:
-            self.store.load(key, block_id)
-        for block_hash, block_id in meta.plan.shared_loads:
-            self.store.load_shared(block_hash, block_id)
+        self.store.before_forward(meta.plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -202,11 +204,7 @@ class PBKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
             return
-        meta = self._get_connector_metadata()
-        for key, block_id in meta.plan.saves:
-            self.store.save(key, block_id)
-        for block_hash, block_id in meta.plan.shared_saves:
-            self.store.save_shared(block_hash, block_id)
+        self.store.after_forward(self._get_connector_metadata().plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.store is None:

@@ -21,6 +21,9 @@ class Plan:
     saves: list[tuple[int, int]] = field(default_factory=list)   # (key, block id), after the forward
     shared_loads: list[tuple[bytes, int]] = field(default_factory=list)   # (full block hash, block id)
     shared_saves: list[tuple[bytes, int]] = field(default_factory=list)   # (full block hash, block id)
+    # block ids of every scheduled request that uses a block loaded this step (empty without
+    # loads): a failed load taints the blocks after it in each chain holding it (`tainted`)
+    chains: list[list[int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.moves or self.loads or self.saves or self.shared_loads or self.shared_saves)
@@ -39,11 +42,27 @@ class Stats:
     saved_tokens: int = 0
     gpu_demoted_blocks: int = 0  # blocks moved to the head of vLLM's free queue (gpu_pool.py)
     policy_fallbacks: int = 0    # policies replaced by LRU after a hook raised (shadow.Shadow._hook)
+    load_failed_blocks: int = 0  # planned loads vLLM was told failed (counted in the hits above too;
+                                 # vLLM recomputed them and every block after them in the request)
 
     @property
     def computed_tokens(self) -> int:
         return (self.prompt_tokens - self.gpu_hit_tokens - self.host_hit_tokens - self.disk_hit_tokens
                 - self.shared_hit_tokens)
+
+
+def tainted(chains: list[list[int]], failed: set[int]) -> set[int]:
+    """The block ids whose content is wrong after the loads of `failed` block ids failed: in each
+    chain holding a failed block, that block and every block after it (they attended to it).
+    Invariant: a tainted block is never saved anywhere; vLLM recomputes it."""
+    bad: set[int] = set()
+    if not failed:
+        return bad
+    for chain in chains:
+        first = next((i for i, b in enumerate(chain) if b in failed), None)
+        if first is not None:
+            bad.update(chain[first:])
+    return bad
 
 
 class PlanOps:
@@ -52,6 +71,7 @@ class PlanOps:
     def __init__(self, plan_of):
         self.plan_of = plan_of
         self.on_device_evict = None    # callable(keys) for blocks leaving pbkv's DEVICE tier
+        self.on_drop = None            # callable(keys) for blocks leaving the tree
 
     def moved(self, node: Node, src: Tier, dst: Tier) -> None:
         if dst == Tier.DISK:
@@ -68,3 +88,5 @@ class PlanOps:
         if node.tier == Tier.DEVICE and self.on_device_evict is not None:
             self.on_device_evict(node.blocks)
         self.plan_of().moves.extend(("drop", k) for k in node.blocks)
+        if self.on_drop is not None:
+            self.on_drop(node.blocks)

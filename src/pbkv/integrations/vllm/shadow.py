@@ -19,6 +19,11 @@ Invariants:
   then saves (after it). A node whose save is in the current plan stays locked until the next
   plan is built, so it is never moved or dropped before its data exists;
 - a running request holds a lock on its cached path (vLLM holds those blocks too);
+- a failed load leaves no wrong KV behind: the worker saves no block at or after a failed one
+  in any request using it (`plan.tainted` over `Plan.chains`), and `load_failed` marks those
+  keys `owed` (the tree holds them, the worker may not). An owed key is never matched (no
+  request is told to load it), and the next request that computes it plans its save (and
+  shared save) again, which clears it. `owed` only holds keys the tree holds;
 - every tier change the tree records becomes a worker op (`plan.PlanOps` is the tree's `Storage`);
 - a policy hook that raises never reaches vLLM (it would fail every request): the shadow logs
   it once, ranks by a fresh `fallback` policy (LRU) for the rest of its life, runs the hook
@@ -30,12 +35,13 @@ Requests without hints are workflows of their own (see `hints.py`).
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from pbkv.cache import Capacities, Node, RadixTree, Tier, TieredCache
 from pbkv.engine.base import replace_policy
 from pbkv.integrations.vllm.hints import Hints
-from pbkv.integrations.vllm.plan import Plan, PlanOps, Stats
+from pbkv.integrations.vllm.plan import Plan, PlanOps, Stats, tainted
 from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest, make_policy
 from pbkv.policy.lru import LRUPolicy
 
@@ -72,6 +78,11 @@ class Shadow:
         ctx = PolicyContext(block_size=block_size, predictors=predictors or {})
         self.policy = make_policy(policy, ctx)
         self.ops = PlanOps(lambda: self.plan)
+        self.owed: set[int] = set()              # keys whose worker copy is missing or wrong
+        self.ops.on_drop = self.owed.difference_update
+        # (block ids, keys) of the last plans' chains: the request may be gone when its failed
+        # loads are reported, and with async scheduling one more plan may be built before that
+        self._chains: deque[list[tuple[list[int], list[int]]]] = deque(maxlen=2)
         self.cache = TieredCache(RadixTree(block_size), capacities, self.policy, storage=self.ops)
         self.tree = self.cache.tree
         self.policy.bind(self.cache, clock)
@@ -98,6 +109,8 @@ class Shadow:
         st = self.reqs[req_id]
         st.keys, st.hashes = keys, hashes
         _, matched = self.tree.match(keys[:usable])
+        if self.owed:
+            matched = next((i for i in range(matched) if keys[i] in self.owed), matched)
         local = local_tokens // self.block_size
         end = max(matched, local)
         st.shared = (end, 0)
@@ -158,8 +171,19 @@ class Shadow:
                 st.shared_load = None
             st.computed = computed
             self._save(st)
+        self._chain(scheduled)
         plan, self.plan = self.plan, Plan()
         return plan
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """vLLM reports the loads of `block_ids` failed (in a recent plan): mark owed the keys
+        at and after each failed block of every chain holding one (see the module docstring)."""
+        self.stats.load_failed_blocks += len(block_ids)
+        index = self.tree.index
+        for chains in self._chains:
+            for ids, keys in chains:
+                bad = tainted([ids], block_ids)
+                self.owed.update(k for b, k in zip(ids, keys) if b in bad and k in index)
 
     def finished(self, req_id: str) -> None:
         """A request finished (or was aborted): release its path, record the use, maybe end
@@ -241,12 +265,42 @@ class Shadow:
             if move is not None:
                 self.cache.complete(move)
 
+    def _chain(self, scheduled) -> None:
+        """Put in the plan the block ids of every request using a block loaded in it (none
+        without loads: no cost then), and remember them with the request's keys."""
+        loaded = {b for _, b in self.plan.loads} | {b for _, b in self.plan.shared_loads}
+        chains = []
+        if loaded:
+            for req_id, *_ in scheduled:
+                st = self.reqs.get(req_id)
+                if st is not None and not loaded.isdisjoint(st.block_ids):
+                    chains.append((list(st.block_ids), st.keys))
+            self.plan.chains = [ids for ids, _ in chains]
+        self._chains.append(chains)
+
+    def _resave(self, st: _Req, full: int) -> None:
+        """Plan again the saves of the owed keys among the request's first `full` (computed)
+        blocks, and their shared saves; the saved nodes stay locked until the next plan."""
+        owed = [i for i in range(full) if st.keys[i] in self.owed]
+        if not owed:
+            return
+        st.shared_saved = min(st.shared_saved, owed[0])
+        index = self.tree.index
+        for i in owed:
+            key = st.keys[i]
+            self.owed.discard(key)
+            self.plan.saves.append((key, st.block_ids[i]))
+            self.tree.lock(index[key])
+            self._pending.append(index[key])
+
     def _save(self, st: _Req) -> None:
         """Insert the request's newly complete prompt blocks and plan their saves."""
         full = min(st.computed, st.prompt_tokens, len(st.block_ids) * self.block_size) // self.block_size
         full = min(full, len(st.keys))
         if full <= 0:
             return
+        if self.owed:
+            self._resave(st, full)
         if self.shared is not None and st.hashes is not None and full > st.shared_saved:
             self.plan.shared_saves.extend((st.hashes[i], st.block_ids[i]) for i in range(st.shared_saved, full))
             st.shared_saved = full

@@ -14,8 +14,11 @@ With a shared directory (`shared.py`) a rank also loads blocks from it (checked;
 bad one is reported as a failed load, so vLLM recomputes it) and writes the blocks it computed
 there, once, on a writer thread (the copy out of the paged cache is made first, in step).
 
-A disk write that fails (directory removed, disk full) never raises into vLLM: it is counted and
-logged once, and the key is then not held at all, so a later load of it fails (vLLM recomputes).
+Failures never raise into vLLM: a load that fails is recorded (`failed`: vLLM recomputes the
+block) and the store forgets that key (its copy is bad or gone, so no later load trusts it); a
+disk write that fails (directory removed, disk full) is counted and logged once, and the key is
+then not held at all, so a later load of it fails the same way. A save replaces any copy held
+(the scheduler plans a save of a held key only when that copy is owed: missing or wrong).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
 from pbkv.engine.hf.disk import CorruptKV, tensor_sha256
+from pbkv.integrations.vllm.plan import Plan, tainted
 
 FORMAT = "pbkv-vllm-block"
 log = logging.getLogger("pbkv.vllm")
@@ -51,6 +55,7 @@ class StoreStats:
     shared_failed: int = 0  # planned shared loads that found no valid file (vLLM recomputes them)
     shared_queued: int = 0  # blocks handed to the shared writer
     write_failed: int = 0   # disk-tier writes that failed (the block is then not held)
+    load_failed: int = 0    # planned local loads that failed (missing or corrupt; vLLM recomputes)
 
 
 class BlockStore:
@@ -79,6 +84,26 @@ class BlockStore:
             self.layers.append((t, dims[0]))
 
     # ------------------------------------------------------------------ plan execution
+
+    def before_forward(self, plan: Plan) -> None:
+        """A step's moves, then its loads (failures land in `failed`)."""
+        for op, key in plan.moves:
+            self.move(op, key)
+        for key, block_id in plan.loads:
+            self.load(key, block_id)
+        for block_hash, block_id in plan.shared_loads:
+            self.load_shared(block_hash, block_id)
+
+    def after_forward(self, plan: Plan) -> None:
+        """A step's saves, except those of blocks computed from a block whose load failed this
+        step (`plan.tainted`): their content is wrong, and vLLM recomputes them."""
+        bad = tainted(plan.chains, self.failed)
+        for key, block_id in plan.saves:
+            if block_id not in bad:
+                self.save(key, block_id)
+        for block_hash, block_id in plan.shared_saves:
+            if block_id not in bad:
+                self.save_shared(block_hash, block_id)
 
     def move(self, op: str, key: int) -> None:
         if op == "drop":
@@ -112,15 +137,18 @@ class BlockStore:
                 self.stats.loaded_ram_blocks += 1
         except CorruptKV:
             self.stats.corrupt += 1
+            self.stats.load_failed += 1
             self.failed.add(block_id)
+            self.ram.pop(key, None)
+            self._unlink(key)
             return False
         for i, (t, dim) in enumerate(self.layers):
             t.select(dim, block_id).copy_(data[i])
         return True
 
     def save(self, key: int, block_id: int) -> None:
-        if key in self.ram or key in self.disk:
-            return
+        """Copy a computed block into RAM, replacing any copy held (see the module docstring)."""
+        self._unlink(key)
         self.ram[key] = torch.stack([t.select(dim, block_id).to("cpu", copy=True) for t, dim in self.layers])
         self.stats.saved_blocks += 1
 
