@@ -167,3 +167,19 @@ def test_a_failed_disk_write_raises_nothing_and_its_load_fails_later(tmp_path):
     assert 7 not in store.ram and 7 not in store.disk
     assert not store.load(7, 3) and store.failed == {3}
     store.move("drop", 8)                 # nothing held: nothing to do, no error
+
+
+def test_keys_computed_after_the_failed_plan_are_owed_too(tmp_path):
+    """With async scheduling vLLM may run the request's next chunk before the failure is
+    reported: the blocks of that chunk were computed from the bad block as well."""
+    sh, store, p = first_request(tmp_path)
+    sh.match("b", [1, 2, 3, 4, 5], 5 * BS + 1, 0, parse_hints(None))
+    sh.allocated("b", 0, 3 * BS)
+    plan = sh.build([("b", [4, 5, 6], True, 3 * BS)])                  # chunk 1: the loads only
+    assert plan.chains == [[4, 5, 6]]
+    plan = sh.build([("b", [7, 8, 9], False, 5 * BS + 1)])             # chunk 2, already scheduled
+    assert [k for k, _ in plan.saves] == [4, 5] and plan.chains == []
+    sh.load_failed({5})                                                 # chunk 1's report arrives
+    assert sh.owed == {2, 3, 4, 5}
+    plan = sh.build([("b", None, False, 5 * BS + 1)])                  # vLLM recomputes from block 5
+    assert sorted(plan.saves) == [(2, 5), (3, 6), (4, 7), (5, 8)] and not sh.owed

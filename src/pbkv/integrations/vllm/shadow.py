@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pbkv.cache import Capacities, Node, RadixTree, Tier, TieredCache
 from pbkv.engine.base import replace_policy
 from pbkv.integrations.vllm.hints import Hints
-from pbkv.integrations.vllm.plan import Plan, PlanOps, Stats, tainted
+from pbkv.integrations.vllm.plan import Plan, PlanOps, Stats
 from pbkv.policy import CallEvent, PolicyContext, PrefetchRequest, make_policy
 from pbkv.policy.lru import LRUPolicy
 
@@ -177,13 +177,16 @@ class Shadow:
 
     def load_failed(self, block_ids: set[int]) -> None:
         """vLLM reports the loads of `block_ids` failed (in a recent plan): mark owed the keys
-        at and after each failed block of every chain holding one (see the module docstring)."""
+        at and after each failed block of every chain holding one (see the module docstring).
+        Every later key of the request counts, not only those it had blocks for in that plan:
+        with async scheduling its next chunk may have been computed from the bad block too."""
         self.stats.load_failed_blocks += len(block_ids)
         index = self.tree.index
         for chains in self._chains:
             for ids, keys in chains:
-                bad = tainted([ids], block_ids)
-                self.owed.update(k for b, k in zip(ids, keys) if b in bad and k in index)
+                first = next((i for i, b in enumerate(ids) if b in block_ids), None)
+                if first is not None:
+                    self.owed.update(k for k in keys[first:] if k in index)
 
     def finished(self, req_id: str) -> None:
         """A request finished (or was aborted): release its path, record the use, maybe end
