@@ -85,8 +85,11 @@ def test_reported_keys_are_owed_unmatched_and_saved_again_by_whoever_computes_th
     _, plan = schedule(sh, "b", [1, 2, 3, 4, 5], 5 * BS + 1, [4, 5, 6, 7, 8, 9])
     failed = step(store, plan)
     sh.finished("b")               # kv_load_failure_policy "fail": the request is gone first
+    assert sh.stats.host_hit_tokens == 3 * BS
     sh.load_failed(failed)
     assert sh.owed == {2, 3, 4, 5} and sh.stats.load_failed_blocks == 1
+    # counted as hits when planned; vLLM recomputed the failed load and the one after it
+    assert sh.stats.host_hit_tokens == BS and sh.stats.computed_tokens == (3 * BS + 1) + (5 * BS + 1) - BS
     # another request: offered key 1 only (nobody holds a valid 2 now), computes 2-5, saves them
     ext, plan = schedule(sh, "c", [1, 2, 3, 4, 5], 5 * BS + 1, [10, 11, 12, 13, 14, 15])
     assert ext == BS and plan.loads == [(1, 10)]
@@ -148,6 +151,7 @@ def test_a_failed_shared_load_poisons_neither_ram_nor_the_shared_dir(tmp_path):
     assert failed == {5} and not b_store.ram and b_store.stats.shared_queued == 0
     assert SharedBlocks(tmp_path, [IDENT]).prefix(hashes[2:]) == 0   # nothing computed from garbage shared
     b.load_failed(failed)
+    assert b.stats.shared_hit_tokens == 0 and b.stats.computed_tokens == 4 * BS + 1   # nothing served
     plan = b.build([("b", None, False, 4 * BS + 1)])   # vLLM recomputes from block 0
     assert [k for k, _ in plan.saves] == keys and [blk for _, blk in plan.shared_saves] == [5, 6, 7, 8]
     step(b_store, plan)

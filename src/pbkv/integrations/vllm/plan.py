@@ -42,8 +42,9 @@ class Stats:
     saved_tokens: int = 0
     gpu_demoted_blocks: int = 0  # blocks moved to the head of vLLM's free queue (gpu_pool.py)
     policy_fallbacks: int = 0    # policies replaced by LRU after a hook raised (shadow.Shadow._hook)
-    load_failed_blocks: int = 0  # planned loads vLLM was told failed (counted in the hits above too;
-                                 # vLLM recomputed them and every block after them in the request)
+    load_failed_blocks: int = 0  # planned loads that failed; the hit counters above then count
+                                 # only what was served: a failed load and every later load of its
+                                 # request are recomputed by vLLM (in computed_tokens)
 
     @property
     def computed_tokens(self) -> int:

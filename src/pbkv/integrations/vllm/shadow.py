@@ -56,6 +56,7 @@ class _Req:
     computed: int = 0
     locked: Node | None = None
     load: tuple[int, int] | None = None    # (first block, blocks) to load at the next plan
+    load_kinds: list[str] = field(default_factory=list)   # the Stats counter each load was counted in
     counted: bool = False
     hashes: list | None = None             # vLLM's full block hashes (with a shared tier)
     shared: tuple[int, int] = (0, 0)       # (first block, blocks) the shared tier holds after the match
@@ -80,9 +81,11 @@ class Shadow:
         self.ops = PlanOps(lambda: self.plan)
         self.owed: set[int] = set()              # keys whose worker copy is missing or wrong
         self.ops.on_drop = self.owed.difference_update
-        # (block ids, keys) of the last plans' chains: the request may be gone when its failed
-        # loads are reported, and with async scheduling one more plan may be built before that
-        self._chains: deque[list[tuple[list[int], list[int]]]] = deque(maxlen=2)
+        # per recent plan: its chains as (block ids, keys) and its loads as {block id: the Stats
+        # counter it was counted in}; the request may be gone when its failed loads are
+        # reported, and with async scheduling one more plan may be built before that
+        self._chains: deque[tuple[list, dict[int, str]]] = deque(maxlen=2)
+        self._loaded: dict[int, str] = {}
         self.cache = TieredCache(RadixTree(block_size), capacities, self.policy, storage=self.ops)
         self.tree = self.cache.tree
         self.policy.bind(self.cache, clock)
@@ -138,14 +141,13 @@ class Shadow:
             return
         node, _ = self.tree.match(st.keys[:first + n])
         self._lock(st, node)
+        st.load_kinds = []
         for path_node in node.path():
             lo, hi = max(path_node.start, first), min(path_node.end, first + n)
             if hi > lo:
-                tokens = (hi - lo) * self.block_size
-                if path_node.tier == Tier.DISK:
-                    self.stats.disk_hit_tokens += tokens
-                else:
-                    self.stats.host_hit_tokens += tokens
+                kind = "disk_hit_tokens" if path_node.tier == Tier.DISK else "host_hit_tokens"
+                setattr(self.stats, kind, getattr(self.stats, kind) + (hi - lo) * self.block_size)
+                st.load_kinds += [kind] * (hi - lo)
         self._promote(node)
         st.load = (first, n)
 
@@ -164,10 +166,12 @@ class Shadow:
             if st.load is not None:
                 first, n = st.load
                 self.plan.loads.extend((st.keys[i], st.block_ids[i]) for i in range(first, first + n))
+                self._loaded.update(zip(st.block_ids[first:first + n], st.load_kinds))
                 st.load = None
             if st.shared_load is not None:
                 first, n = st.shared_load
                 self.plan.shared_loads.extend((st.hashes[i], st.block_ids[i]) for i in range(first, first + n))
+                self._loaded.update((st.block_ids[i], "shared_hit_tokens") for i in range(first, first + n))
                 st.shared_load = None
             st.computed = computed
             self._save(st)
@@ -182,11 +186,20 @@ class Shadow:
         with async scheduling its next chunk may have been computed from the bad block too."""
         self.stats.load_failed_blocks += len(block_ids)
         index = self.tree.index
-        for chains in self._chains:
+        for chains, loaded in self._chains:
             for ids, keys in chains:
                 first = next((i for i, b in enumerate(ids) if b in block_ids), None)
                 if first is not None:
                     self.owed.update(k for k in keys[first:] if k in index)
+                    self._unserved(ids[first:], loaded)
+
+    def _unserved(self, block_ids: list[int], loaded: dict[int, str]) -> None:
+        """Take back the hits counted for loads vLLM recomputed (a failed one and every one after
+        it in its request), so `Stats.computed_tokens` counts them; each load once (popped)."""
+        for b in block_ids:
+            kind = loaded.pop(b, None)
+            if kind is not None:
+                setattr(self.stats, kind, getattr(self.stats, kind) - self.block_size)
 
     def finished(self, req_id: str) -> None:
         """A request finished (or was aborted): release its path, record the use, maybe end
@@ -271,15 +284,15 @@ class Shadow:
     def _chain(self, scheduled) -> None:
         """Put in the plan the block ids of every request using a block loaded in it (none
         without loads: no cost then), and remember them with the request's keys."""
-        loaded = {b for _, b in self.plan.loads} | {b for _, b in self.plan.shared_loads}
+        loaded, self._loaded = self._loaded, {}
         chains = []
         if loaded:
             for req_id, *_ in scheduled:
                 st = self.reqs.get(req_id)
-                if st is not None and not loaded.isdisjoint(st.block_ids):
+                if st is not None and not loaded.keys().isdisjoint(st.block_ids):
                     chains.append((list(st.block_ids), st.keys))
             self.plan.chains = [ids for ids, _ in chains]
-        self._chains.append(chains)
+        self._chains.append((chains, loaded))
 
     def _resave(self, st: _Req, full: int) -> None:
         """Plan again the saves of the owed keys among the request's first `full` (computed)
