@@ -19,7 +19,7 @@ from pbkv.serve import ServeConfig  # noqa: E402
 from pbkv.serve.app import create_app  # noqa: E402
 from pbkv.serve.jobs import Done  # noqa: E402
 from pbkv.serve.metrics import Metrics, parse  # noqa: E402
-from test_scale_unavailable import INFO, Router  # noqa: E402
+from test_scale_unavailable import Handle as UnavailableHandle, Router  # noqa: E402
 
 ANSWER = Done("stop", 40, 5, {"device": 16, "shared": 16})
 
@@ -42,19 +42,10 @@ class Answers:
         pass
 
 
-class Handle:
+class Handle(UnavailableHandle):
     """A deployment whose replica answers every call, then dies before any /metrics scrape (a
     broadcast reaches nobody)."""
     app_name = "served-app"
-
-    def options(self, **_):
-        return self
-
-    def broadcast(self, method, *args):
-        return self
-
-    def results(self, timeout_s=None):   # the ingress's start: every replica's info()
-        return [INFO]
 
     def remote(self, route, job):
         return Answers()
