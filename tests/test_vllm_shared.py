@@ -26,8 +26,9 @@ def test_keys_are_shared_only_when_vllm_hashes_are_stable():
     other = {instance_identity("org/model", None, "float32", "auto", BS, "sha256", 1, 2),
              instance_identity("org/model", None, "float32", "auto", BS, "sha256_cbor", 0, 1),
              instance_identity("org/model", "v2", "float32", "auto", BS, "sha256", 0, 1),
-             instance_identity("org/model", None, "bfloat16", "auto", BS, "sha256", 0, 1)}
-    assert IDENT not in other and len(other) == 4
+             instance_identity("org/model", None, "bfloat16", "auto", BS, "sha256", 0, 1),
+             instance_identity("org/model", None, "float32", "auto", BS, "sha256", 0, 1, config="rope 100")}
+    assert IDENT not in other and len(other) == 5
 
 
 def chain(tokens_per_block: list[int]) -> list[bytes]:

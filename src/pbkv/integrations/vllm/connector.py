@@ -100,8 +100,12 @@ class PBKVConnector(KVConnectorBase_V1):
         if problem is not None:
             raise ValueError(f"pbkv connector: shared_dir {config.shared_dir!r} refused: {problem}")
         world = getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1
+        from pbkv.engine.hf.shared import config_fingerprint
+        hf_config = getattr(model, "hf_config", None)
+        fingerprint = config_fingerprint(hf_config) if hf_config is not None else "-"
         ids = [instance_identity(model.model, getattr(model, "revision", None), model.dtype, cache.cache_dtype,
-                                 cache.block_size, algo, r, world) for r in ([rank] if rank is not None else range(world))]
+                                 cache.block_size, algo, r, world, fingerprint)
+               for r in ([rank] if rank is not None else range(world))]
         return SharedBlocks(config.shared_dir, ids, config.shared_bytes)
 
     def _make_shadow(self, config: ConnectorConfig) -> Shadow:

@@ -52,9 +52,12 @@ def key_problem(hash_algo: str, env: Mapping[str, str], fixed_default_seed: bool
 
 
 def instance_identity(model: str, revision: str | None, dtype, cache_dtype, block_size: int, hash_algo: str,
-                      rank: int, world: int) -> str:
-    """What must match for two instances' blocks (of one rank) to be interchangeable."""
-    return (f"vllm|{model}@{revision or '-'}|{dtype}|kv {cache_dtype}|bs {block_size}|{hash_algo}"
+                      rank: int, world: int, config: str = "-") -> str:
+    """What must match for two instances' blocks (of one rank) to be interchangeable. `config`:
+    a fingerprint of the model's config (`pbkv.engine.hf.shared.config_fingerprint`), so one
+    model name under another RoPE base or attention setting shares nothing. The weights are
+    named by `model` and `revision` only (see docs/vllm.md)."""
+    return (f"vllm|{model}@{revision or '-'}|cfg {config}|{dtype}|kv {cache_dtype}|bs {block_size}|{hash_algo}"
             f"|rank {rank}/{world}")
 
 
