@@ -110,6 +110,14 @@ def test_with_no_replica_running_a_completion_is_refused_at_once():
     asyncio.run(asyncio.wait_for(main(), 10))   # the old ingress never answered
 
 
+async def _until(condition, seconds: float = 10.0) -> None:
+    """Yield to the event loop until `condition()` holds (a deadline, not a fixed wait)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
 def test_a_waiting_call_gives_up_once_no_replica_ran_for_the_wait_and_frees_its_slot(monkeypatch):
     monkeypatch.setattr(remote, "NO_REPLICA_WAIT_S", 0.5)
     monkeypatch.setattr(remote, "POLL_S", 0.05)
@@ -118,8 +126,7 @@ def test_a_waiting_call_gives_up_once_no_replica_ran_for_the_wait_and_frees_its_
     async def main():
         async with _client(state) as http:
             calls = [asyncio.ensure_future(http.post("/v1/completions", json=BODY)) for _ in range(2)]
-            await asyncio.sleep(0.2)
-            assert state.worker.in_flight == 2                 # both wait in Ray's queue
+            await _until(lambda: state.worker.in_flight == 2 and len(handle.streams) == 2)   # both wait in Ray's queue
             router.set(0)                                      # every replica lost, none restarting
             start = time.monotonic()
             for answer in await asyncio.gather(*calls):
@@ -131,16 +138,16 @@ def test_a_waiting_call_gives_up_once_no_replica_ran_for_the_wait_and_frees_its_
 
 
 def test_a_replica_back_within_the_wait_serves_the_waiting_call(monkeypatch):
-    monkeypatch.setattr(remote, "NO_REPLICA_WAIT_S", 1.0)
+    monkeypatch.setattr(remote, "NO_REPLICA_WAIT_S", 5.0)   # far longer than the outage below, even on a busy machine
     monkeypatch.setattr(remote, "POLL_S", 0.05)
     handle, router, state = _setup(running=1)
 
     async def main():
         async with _client(state) as http:
             call = asyncio.ensure_future(http.post("/v1/completions", json=BODY))
-            await asyncio.sleep(0.1)
+            await _until(lambda: len(handle.streams) == 1)      # placed in Ray's queue
             router.set(0)
-            await asyncio.sleep(0.5)                           # Ray restarts them
+            await asyncio.sleep(0.5)                           # Ray restarts them (polled several times meanwhile)
             router.set(2)
             handle.placed.set()
             answer = await call
