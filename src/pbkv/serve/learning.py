@@ -136,11 +136,9 @@ class TrafficLearner(OnlineLearner):
     def _save(self, predictor, window) -> None:
         """Save a retrain to `save_to` with the workflows it learned from (`window`: the trace of
         the learning window when it started), merged with the live version's as at shutdown."""
-        workflows: dict[str, list] = {}
-        for c in window.calls:
-            workflows.setdefault(c.workflow_id, []).append((c.agent, c.context))
+        workflows = [[(c.agent, c.context) for c in calls] for calls in window.workflows().values()]
         try:
-            save_atomic(predictor, self.save_to, list(workflows.values()), self.window.maxlen)
+            save_atomic(predictor, self.save_to, workflows, self.window.maxlen)
             self.save_error = None
             log.info("saved a retrain (%d workflows) to %s", len(workflows), self.save_to)
         except (OSError, ValueError) as e:   # the folder changed since start-up: serving goes on
