@@ -316,6 +316,11 @@ def test_pbkv_serve_checks_the_layout_once_and_passes_the_health_options(monkeyp
     [(opts, layout_checked)] = runs
     assert len(checks) == 1 and layout_checked
     assert (opts.health_check_period_s, opts.health_check_timeout_s, opts.engine_stall_s) == (1.5, 2, 5)
+    reached = []   # with a cluster address: checked once, by the CLI, and serve_app told so
+    monkeypatch.setattr(options, "check_reachable", reached.append)
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", "10.0.0.1:6379"])
+    assert r.exit_code == 0, r.output
+    assert reached == ["10.0.0.1:6379"] and runs[-1][1] is True
 
 
 @pytest.mark.parametrize("field", ["health_check_period_s", "health_check_timeout_s", "engine_stall_s"])
@@ -338,6 +343,11 @@ def test_start_ray_checks_the_layout_unless_its_caller_did(monkeypatch):
     assert serve_app.start_ray(ReplicaOptions(), layout_checked=True) and checks == []
     assert os.environ[serve_app.FORCE_STOP_ENV] == "1"   # a local Ray stops an unhealthy replica at once
     assert serve_app.start_ray(ReplicaOptions()) and len(checks) == 1   # a direct caller keeps the check
+    reached = []
+    monkeypatch.setattr(serve_app, "check_reachable", reached.append)
+    cluster = ReplicaOptions(ray_address="10.0.0.1:6379")
+    assert serve_app.start_ray(cluster, layout_checked=True) and reached == []   # pbkv serve checked it
+    assert serve_app.start_ray(cluster) and reached == ["10.0.0.1:6379"]
     monkeypatch.setenv(serve_app.FORCE_STOP_ENV, "0")
     serve_app.start_ray(ReplicaOptions())
     assert os.environ[serve_app.FORCE_STOP_ENV] == "0"   # the operator's own setting wins

@@ -132,6 +132,6 @@ def serve(
     except ImportError as e:
         fail(f"pbkv serve --replicas needs the scale extra ({e.name} is missing): pip install 'pbkv[scale]'")
     with exit_on_error():
-        save_errors = run_replicas(cfg, opts, log_level=log_level, layout_checked=ray_address is None)   # checked above
+        save_errors = run_replicas(cfg, opts, log_level=log_level, layout_checked=True)   # checked above
     if save_errors:   # each already logged as one error line by its replica
         raise typer.Exit(1)

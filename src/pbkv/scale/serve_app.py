@@ -71,13 +71,15 @@ def engine_app(cfg: ServeConfig, opts: ReplicaOptions):
 
 
 def start_ray(opts: ReplicaOptions, layout_checked: bool = False, **init_kwargs) -> bool:
-    """Connect to Ray (join `ray_address`, else start a local one, once `options.check_local`
-    accepts the layout on this machine: checked here unless the caller says it did, with
-    `layout_checked`, as `pbkv serve` does before it imports Ray); True when started here."""
+    """Connect to Ray (join `ray_address` once `options.check_reachable` finds it answering,
+    else start a local one once `options.check_local` accepts the layout on this machine: each
+    checked here unless the caller says it did, with `layout_checked`, as `pbkv serve` does
+    before it imports Ray); True when started here."""
     if ray.is_initialized():
         return False
     if opts.ray_address:
-        check_reachable(opts.ray_address)   # Ray would retry an unreachable address for minutes
+        if not layout_checked:
+            check_reachable(opts.ray_address)   # Ray would retry an unreachable address for minutes
         ray.init(address=opts.ray_address, namespace=f"pbkv-{opts.app_name}", **init_kwargs)
         return True
     cores, gpus = local_machine()
