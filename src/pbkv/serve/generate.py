@@ -67,9 +67,7 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
                           "context_length_exceeded")
     if state.worker.in_flight >= limits.max_queue:
         raise overloaded(state.worker.in_flight)
-    ready = getattr(state.worker, "check_ready", None)   # pbkv.scale's worker: raises while no replica runs
-    if ready is not None:
-        ready()
+    state.worker.check_ready()   # the replicas' worker raises 503 while no replica runs
     sampling = Sampling(max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                         ignore_eos=body.ignore_eos)   # EOS ids: the engine's (the tokenizer's)
     job = Job(list(prompt_ids), sampling, hints, body.stops(), context[-CONTEXT_CHARS:] if context else None,

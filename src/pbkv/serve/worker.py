@@ -78,6 +78,10 @@ class EngineWorker:
         with self._count_lock:
             self.in_flight += delta
 
+    def check_ready(self) -> None:
+        """Whether a call can be taken now: always, the engine runs in this process (the
+        replicas' worker, `pbkv.scale.remote.RemoteWorker`, raises 503 while none runs)."""
+
     def cancel(self, job: Job) -> None:
         self._q.put(Cancel(job))
 
