@@ -145,5 +145,10 @@ def test_a_disk_tier_folder_removed_under_the_server_is_made_again(tmp_path):
     store._write(f)
     assert f.error is None and f.path.is_file()
     assert store.stats.folder_remade == 1 and store.stats.write_errors == 0
+    # the remade folder is marked as ours again: another PID namespace's server sharing the
+    # --disk-dir never removes it (before: unmarked, so removed once GRACE_S old)
+    from pbkv.stale import _held
+    os.utime(store.directory, (time.time() - 2 * GRACE_S,) * 2)
+    assert _held(store.directory)
     store.close()
     assert not store.directory.exists()

@@ -41,11 +41,14 @@ log = logging.getLogger("pbkv.engine")
 STALE_KV_DIR = r"pbkv-kv-(?P<pid>\d+)-\w+"  # a disk tier's own temp folder: prefix, owner PID, mkdtemp suffix
 
 
-def _remove(directory: str, owner: int) -> None:
-    """A store's folder, then its owner mark (`pbkv.stale.hold`). Run once, by `KVStore.close`
-    or when the store is collected: a second close could close another file's descriptor."""
+def _remove(directory: str, owner: list[int]) -> None:
+    """A store's folder, then its owner mark (`pbkv.stale.hold`: one descriptor in `owner`).
+    Run once, by `KVStore.close` or when the store is collected: a second close could close
+    another file's descriptor."""
     shutil.rmtree(directory, ignore_errors=True)
-    os.close(owner)
+    for fd in owner:
+        os.close(fd)
+    owner.clear()
 
 
 @dataclass(eq=False)
@@ -85,7 +88,8 @@ class KVStore:
         self.directory = Path(tempfile.mkdtemp(prefix=f"pbkv-kv-{os.getpid()}-", dir=parent))
         # held for the store's life: another container sharing --disk-dir cannot judge our PID
         # the folder and the mark go once: at close(), else when the store is collected
-        self._remove = weakref.finalize(self, _remove, str(self.directory), hold(self.directory))
+        self._owner = [hold(self.directory)]   # a list: a remade folder gets a new mark (`_write`)
+        self._remove = weakref.finalize(self, _remove, str(self.directory), self._owner)
         self.staged: dict[int, torch.Tensor] = {}
         self.stats = StoreStats()
         self._names = itertools.count()
@@ -240,6 +244,7 @@ class KVStore:
                 log.warning("the disk tier's folder %s was removed under the running server: made again "
                             "(the KV files it held are lost, their tokens recomputed when needed)", self.directory)
                 self.directory.mkdir(parents=True, exist_ok=True)
+                self._mark_again()
                 self.stats.folder_remade += 1
             self.stats.bytes_written += write_file(f)
             self.stats.files_written += 1
@@ -250,6 +255,14 @@ class KVStore:
                 log.error("disk-tier write failed (%d so far; that KV is lost, recomputed when needed): %s",
                           self.stats.write_errors, e)
         f.data = None  # readers now go to the file (or fail on f.error)
+
+    def _mark_again(self) -> None:
+        """(worker thread) The owner mark of a remade folder: the old mark's lock file went with
+        the old folder, and a folder without one is another namespace's to remove after
+        `GRACE_S` (`pbkv.stale`)."""
+        old, self._owner[:] = list(self._owner), [hold(self.directory)]
+        for fd in old:
+            os.close(fd)
 
     def _read_file(self, f: DiskFile) -> torch.Tensor:
         try:
