@@ -62,6 +62,16 @@ def test_stats_path_refuses_a_directory(tmp_path):
     assert "kv_connector_extra_config.stats_path" in refused({"stats_path": str(tmp_path)})
 
 
+def test_stats_path_must_be_a_file_that_can_be_written(tmp_path):
+    """Before: /proc/version passed (every write then only logged), and /dev/null passed (the
+    stats' os.replace would put a regular file in its place, as root)."""
+    assert "must name a regular file" in refused({"stats_path": "/dev/null"})
+    message = refused({"stats_path": "/proc/version"})
+    assert "kv_connector_extra_config.stats_path=" in message and "where files can be made ('/proc'" in message
+    assert parse_extra({"stats_path": str(tmp_path / "stats.json")}).stats_path.endswith("stats.json")
+    assert list(tmp_path.iterdir()) == []   # the trial file is gone
+
+
 def test_stats_path_must_be_in_an_existing_directory(tmp_path):
     """It is first written when a request finishes: a missing directory must fail at start."""
     missing = str(tmp_path / "no-such-dir" / "stats.json")

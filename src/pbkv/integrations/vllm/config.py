@@ -10,8 +10,10 @@ anything is built; every problem of one config is reported together. Rules:
 - `policy`: a non-empty string (the policy registry then checks the name);
 - `predictor_dir`, `disk_dir`, `shared_dir`: non-empty strings naming a directory or a path that
   does not exist yet (the nearest existing ancestor must be a directory);
-- `stats_path`: a non-empty string that is not an existing directory, in an existing directory
-  (it is written as requests finish, long after start: a write that fails then is only logged);
+- `stats_path`: a non-empty string naming a regular file or nothing yet, in an existing directory
+  where a file can be made now (tried once, then removed): it is written as requests finish,
+  long after start, and a write that fails then is only logged. Not a device or other special
+  file: the stats replace the file (`os.replace`), so `/dev/null` would be replaced, as root;
 - `device_tokens`, `host_tokens`, `disk_tokens`: integers >= 0 (0 device tokens: vLLM's whole
   pool, as in `CacheConfig.resolve`); `shared_bytes`: an integer > 0;
 - `steer_gpu`: a JSON boolean.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -78,12 +81,20 @@ def _directory(value: Any) -> str | None:
 
 def _file(value: Any) -> str | None:
     problem = _path(value)
-    if problem is None and os.path.isdir(value):
+    if problem is not None:
+        return problem
+    if os.path.isdir(value):
         return "must name a file, not a directory"
+    if os.path.lexists(value) and not os.path.isfile(value):
+        return "must name a regular file (the stats replace it: a device or special file would be lost)"
     parent = os.path.dirname(value) or "."
-    if problem is None and not os.path.isdir(parent):
+    if not os.path.isdir(parent):
         return f"must name a file in an existing directory ({parent!r} is not one)"
-    return problem
+    try:   # can the stats be written there at all (a read-only folder, /proc, no permission)
+        tempfile.TemporaryFile(dir=parent).close()
+    except OSError as e:
+        return f"must name a file in a directory where files can be made ({parent!r}: {e.strerror or e})"
+    return None
 
 
 def _count(minimum: int) -> Callable[[Any], str | None]:
