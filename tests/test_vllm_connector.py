@@ -238,9 +238,14 @@ def test_failed_loads_reach_the_shadow_through_update_connector_output(tmp_path)
     w.wait_for_save()
     failed = w.get_block_ids_with_load_errors()
     assert failed == {9, 10, 11} and not w.store.ram
-    s.update_connector_output(KVConnectorOutput(invalid_block_ids=failed))
+    s.update_connector_output(KVConnectorOutput(invalid_block_ids=failed, kv_connector_stats=w.get_kv_connector_stats()))
     assert s.shadow.owed == {block_key(h) for h in r.block_hashes} and s.stats()["load_failed_blocks"] == 3
     assert s.get_num_new_matched_tokens(request("a", 3), 0) == (0, False)   # no key offered while owed
+    # the worker's own counters reach the scheduler's stats (before: they stayed in the worker)
+    assert s.stats()["worker"]["load_failed"] == 3 and s.stats()["worker"]["missing"] == 3
+    assert w.get_kv_connector_stats() is None   # sent once: nothing new since
+    assert PBKVConnector.build_kv_connector_stats({"load_failed": 2}).aggregate(
+        PBKVConnector.build_kv_connector_stats({"load_failed": 1})).reduce() == {"load_failed": 3}
 
 
 def test_stats_path_write_failures_never_reach_vllm(tmp_path, caplog):

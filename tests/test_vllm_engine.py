@@ -80,6 +80,12 @@ def test_greedy_identical_and_connector_hits(tmp_path):
     print("connector stats:", json.dumps(stats))
     assert with_pbkv["out"] == plain["out"]
     assert stats["saved_tokens"] > 0
+    # the workers' own counters reach the stats JSON through vLLM (kv_connector_stats): every
+    # save and load the scheduler planned was done
+    block = stats["saved_tokens"] // stats["worker"]["saved_blocks"]
+    assert stats["worker"]["saved_blocks"] * block == stats["saved_tokens"], stats
+    assert (stats["worker"]["loaded_ram_blocks"] + stats["worker"]["loaded_disk_blocks"]) * block == \
+        stats["host_hit_tokens"] + stats["disk_hit_tokens"], stats
     served = stats["host_hit_tokens"] + stats["disk_hit_tokens"]
     assert served > 0, stats
     # vLLM's own count of cached tokens includes what the connector loaded

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pbkv.integrations.vllm import require_vllm
@@ -42,13 +42,14 @@ require_vllm()
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
 from pbkv.cache import CacheConfig, CapacityDefaults  # noqa: E402
 from pbkv.integrations.vllm.config import ConnectorConfig, parse_extra  # noqa: E402
 from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
 from pbkv.integrations.vllm.shared import SharedBlocks, instance_identity, key_problem  # noqa: E402
 from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
-from pbkv.integrations.vllm.store import BlockStore  # noqa: E402
+from pbkv.integrations.vllm.store import BlockStore, StoreStats  # noqa: E402
 
 log = logging.getLogger("pbkv.vllm")
 
@@ -56,6 +57,27 @@ log = logging.getLogger("pbkv.vllm")
 @dataclass
 class PBKVMeta(KVConnectorMetadata):
     plan: Plan
+
+
+@dataclass
+class WorkerStats(KVConnectorStats):
+    """The worker stores' counters (`store.StoreStats`) gained since the last report, summed over
+    ranks: vLLM carries them from the workers to the scheduler, whose connector keeps the running
+    totals for the `stats_path` JSON ("worker"). `data` maps a counter's name to an int."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "WorkerStats":
+        for name, value in (other.data or {}).items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 def block_key(block_hash) -> int:
@@ -74,6 +96,8 @@ class PBKVConnector(KVConnectorBase_V1):
         self.store: BlockStore | None = None
         self._pool = None
         self._local: dict[str, int] = {}   # request -> vLLM's own prefix hit at the last lookup
+        self._worker_totals = {f.name: 0 for f in fields(StoreStats)}   # scheduler: the workers' counters
+        self._reported = dict(self._worker_totals)                       # worker: counters already sent
         rank = getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0
         if role == KVConnectorRole.SCHEDULER:
             self.shadow = self._make_shadow(self.config)
@@ -167,6 +191,28 @@ class PBKVConnector(KVConnectorBase_V1):
         failed = getattr(connector_output, "invalid_block_ids", None)
         if failed:
             self.shadow.load_failed(set(failed))
+        gained = getattr(connector_output, "kv_connector_stats", None)
+        gained = gained.data if isinstance(gained, KVConnectorStats) else gained
+        if isinstance(gained, dict) and any(gained.values()):
+            for name, value in gained.items():
+                if name in self._worker_totals and isinstance(value, int):
+                    self._worker_totals[name] += value
+            if self.config.stats_path is not None:   # a failure may come after the last request ends
+                self._write_stats(self.config.stats_path)
+
+    def get_kv_connector_stats(self) -> WorkerStats | None:
+        """(worker) The store's counters gained since the last call; None when nothing changed
+        (the scheduler's instance has no store: None)."""
+        if self.store is None:
+            return None
+        now = asdict(self.store.stats)
+        gained = {name: now[name] - self._reported[name] for name in self._reported}
+        self._reported = now
+        return WorkerStats(data=gained) if any(gained.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> WorkerStats:
+        return WorkerStats(data=dict(data or {}))
 
     def _write_stats(self, path: str) -> None:
         """Replace the stats file atomically (a reader never sees half of one); an error is
@@ -187,7 +233,8 @@ class PBKVConnector(KVConnectorBase_V1):
 
     def stats(self) -> dict:
         s = self.shadow.stats
-        return {**asdict(s), "computed_tokens": s.computed_tokens, "policy": self.shadow.policy.name}
+        return {**asdict(s), "computed_tokens": s.computed_tokens, "policy": self.shadow.policy.name,
+                "worker": dict(self._worker_totals)}
 
     # ------------------------------------------------------------------ worker side
 
