@@ -218,6 +218,18 @@ def test_a_shared_tier_lets_any_instance_reuse_what_another_computed():
     assert 0 <= shared["shared_tier_reads_failed"] <= shared["shared_tier_reads"]
 
 
+def test_every_figure_of_a_cluster_run_reaches_the_json():
+    """Before: `shared_tier_reads_failed` (documented) was computed and then dropped from
+    bench.json, while `bytes_from_shared_tier` still counted the failed reads' bytes."""
+    from pbkv.bench.sweep import INTERNAL_KEYS, RECORD_KEYS, finish_records
+    r = simulate_cluster(load_workload(WL), cfg(), 2, "round-robin", get_link("pcie4"), shared_tokens=10**6,
+                         shared_link=get_link("nvme"))
+    assert set(r) - set(RECORD_KEYS) <= set(INTERNAL_KEYS)
+    assert set(simulate(load_workload(WL), cfg())) - set(RECORD_KEYS) <= set(INTERNAL_KEYS)
+    assert "shared_tier_reads_failed" in finish_records([{**r, "workload": "hover", "policy": "lru",
+                                                          "concurrency": 8}])[0]
+
+
 def test_bench_cli_shared_tier_needs_instances(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--shared-tokens", "1000", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "--shared-tokens needs --instances" in r.output

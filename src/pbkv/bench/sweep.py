@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # imported where used: they pull in the real engine / the vLL
     from pbkv.bench.hf_run import HFConfig
     from pbkv.bench.vllm_run import VLLMConfig
 
+# What a run's record keeps in bench.json, in this order (`finish_records`). Every figure a
+# simulated run reports is here except `INTERNAL_KEYS` (tested: a new figure missing here would
+# silently never reach the JSON).
 RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine", "samples", "workflows", "calls",
                "mean_workflow_latency_s", "p99_workflow_latency_s", "mean_ttft_s", "p99_ttft_s",
                "device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens",
@@ -41,7 +44,10 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine
                # several simulated instances behind a router (--instances / --router) only
                "instances", "router", "link", "bytes_moved_between_instances", "kv_fetches", "kv_fetch_failed",
                "workflow_moves", "max_instance_share", "shared_tier_tokens", "shared_tier_reads",
-               "bytes_from_shared_tier", "bytes_to_shared_tier", "vs_best_router_min", "vs_best_router_max")
+               "shared_tier_reads_failed", "bytes_from_shared_tier", "bytes_to_shared_tier", "vs_best_router_min", "vs_best_router_max")
+
+INTERNAL_KEYS = ("decode_steps", "policy_overhead", "policy_seconds",   # the perf commands' figures
+                 "shared_hit_rate")   # the real engine's shared directory: never in a bench run
 
 
 @dataclass(frozen=True)
