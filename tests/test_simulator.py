@@ -91,6 +91,23 @@ def test_open_loop_starts_each_workflow_at_its_t_and_needs_every_t():
         Replay(engine, untimed.workflows, None, Recorder())
 
 
+def test_open_loop_latency_does_not_depend_on_where_the_arrival_times_start():
+    """Before: the clock ran from t = 0, so arrival times of epoch size (ns stamps read as
+    Mooncake ms: 1.7e15 s) quantised latencies to 0.25 s, and at 1e300 they were all 0."""
+    def latencies(offset, gap):   # gap: b's arrival after a's, exact at that offset
+        calls = [Call("a", 0, "x", 320, 4, list(range(20)), t=offset),
+                 Call("a", 1, "y", 480, 4, list(range(30)), tool_wait=0.003),
+                 Call("b", 0, "x", 320, 4, list(range(40, 60)), t=offset + gap)]
+        wl = Workload("t", Trace(TraceMeta(block_size=16), calls))
+        rec = Replay(simulator(wl)[0], wl.workflows, None, Recorder()).run()
+        return rec.latency, rec.ttft, rec.makespan()
+    for offset, gap in ((2.0 ** 50, 0.5), (1e300, 0.0)):   # 2^50 s: a float step of 0.25 s
+        base = latencies(0.0, gap)
+        latency, ttft, makespan = latencies(offset, gap)
+        assert latency == pytest.approx(base[0]) and ttft == pytest.approx(base[1])
+        assert makespan == pytest.approx(base[2]) and min(ttft) > 0
+
+
 def test_a_call_arriving_during_a_long_prefill_is_stamped_when_it_arrived():
     """Open loop: B arrives at 0.5 s while A's 16,000-token prefill runs (several seconds): B's
     TTFT and latency count from 0.5 s, so they include the wait for that pass."""

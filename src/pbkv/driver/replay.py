@@ -1,8 +1,10 @@
 """Run workflows against an engine: closed-loop lanes or open-loop arrivals, honouring tool waits.
 
 - closed loop: `concurrency` lanes; each runs workflows back to back in trace order;
-- open loop: each workflow starts at the `t` of its first call (its later calls follow their
-  predecessors, as a dependent workflow must).
+- open loop: each workflow starts at the `t` of its first call, counted from the earliest such
+  `t` (its later calls follow their predecessors, as a dependent workflow must). The clock starts
+  at the first arrival, not at `t` = 0: a float clock at epoch-sized `t` (1.7e12 ms read as s,
+  or ns stamps) cannot resolve a millisecond, and latencies came out quantised or 0.
 Inside a workflow, call j+1 is issued when call j has finished plus call j+1's `tool_wait`.
 The engine hears of workflow starts and ends (the policy's lifecycle signals) from here.
 """
@@ -14,7 +16,7 @@ from typing import Protocol
 
 from pbkv.driver.metrics import Recorder
 from pbkv.engine.request import Request
-from pbkv.trace import Call
+from pbkv.trace import Call, arrival_times
 
 
 class Engine(Protocol):
@@ -54,8 +56,7 @@ class Replay:
 
     def run(self) -> Recorder:
         if self.concurrency is None:
-            for i, calls in enumerate(self.workflows):
-                t = calls[0].t or 0.0
+            for i, t in enumerate(arrival_times(self.workflows)):
                 self.engine.at(t, lambda i=i, t=t: self._start(i, t))
             self._queue.clear()
         else:

@@ -20,7 +20,7 @@ import math
 from typing import Callable
 
 from pbkv.cache import RadixTree, Tier
-from pbkv.trace import Call
+from pbkv.trace import Call, arrival_times
 
 INF = math.inf
 
@@ -35,7 +35,7 @@ class Future:
         self.index = {calls[0].workflow_id: i for i, calls in enumerate(workflows)}
         self.offsets: list[list[float]] = []   # per workflow: nominal issue time of each call
         self.ends: list[list[float]] = []      # per workflow: nominal end time of each call
-        self.arrival = [calls[0].t or 0.0 for calls in workflows]
+        self.arrival = arrival_times(workflows)   # on the replay's clock (it starts at the first)
         for calls in workflows:
             now, offs, ends = 0.0, [], []
             for call in calls:

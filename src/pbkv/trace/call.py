@@ -75,3 +75,11 @@ class Trace:
     def agents(self) -> list[str]:
         """Distinct agents in order of first appearance."""
         return list(dict.fromkeys(c.agent for c in self.calls))
+
+
+def arrival_times(workflows: list[list[Call]]) -> list[float]:
+    """Each workflow's open-loop arrival (`t` of its first call; None counts as the earliest),
+    in seconds after the earliest one. Replays run their clock from the first arrival: a float
+    clock at epoch-sized `t` (ns stamps read as ms: 1.7e15 s) cannot resolve a millisecond."""
+    first = min((calls[0].t for calls in workflows if calls[0].t is not None), default=0.0)
+    return [0.0 if calls[0].t is None else calls[0].t - first for calls in workflows]
