@@ -357,3 +357,50 @@ def test_an_in_memory_nan_is_refused_by_validate_and_never_written(tmp_path):
     with pytest.raises(ValueError):
         write_trace(trace, tmp_path / "o.jsonl")
     assert not (tmp_path / "o.jsonl").exists()
+
+
+# ---------------------------------------------------------------- hostile13: first waits, order, metadata
+
+
+def test_a_first_calls_tool_wait_is_written_as_a_later_timestamp_and_noted(tmp_path):
+    """Before: dropped without a note (a replay of the export ran 30 s sooner)."""
+    src = jsonl(tmp_path / "t.jsonl", [call(0, t=2, tool_wait=30), call(1, tool_wait=2)])
+    report = export_file("agentic-mooncake", src, tmp_path / "o.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert rows[0]["timestamp"] == 32000.0 and "delay" not in rows[0]
+    assert any(n.startswith("1 workflows' first call has a tool_wait: written as a later `timestamp`")
+               for n in report.notes)
+    back, _ = import_trace("agentic-mooncake", tmp_path / "o.jsonl", source_block_size=16)
+    assert [(c.t, c.tool_wait) for c in back.calls] == [(32.0, None), (None, 2.0)]   # issued at the same times
+
+
+def test_a_first_rows_delay_is_not_kept_and_the_import_says_so(tmp_path):
+    rows = [agentic_row("r1", "s", delay=500, tool_wait_ms=250), agentic_row("r2", "s", wait_for=["r1"], delay=10)]
+    trace, report = import_trace("agentic-mooncake", jsonl(tmp_path / "a.jsonl", rows), source_block_size=16)
+    assert [c.tool_wait for c in trace.calls] == [None, 0.01]
+    assert any(n.startswith("1 session first rows without wait_for carry `delay`/`tool_wait_ms` (first: 'r1')")
+               for n in report.notes)
+
+
+def test_a_row_listed_before_the_row_it_waits_for_runs_after_it(tmp_path):
+    """Before: steps followed file order, so b ran first: the dependency reversed."""
+    rows = [agentic_row("b", "s", wait_for=["a"], delay=100), agentic_row("a", "s", timestamp=5000),
+            agentic_row("c", "s", wait_for=["b"])]
+    del rows[0]["timestamp"], rows[2]["timestamp"]
+    trace, report = import_trace("agentic-mooncake", jsonl(tmp_path / "a.jsonl", rows), source_block_size=16)
+    steps = {c.extra.get("delay_ms", c.t): c.step for c in trace.calls}
+    assert steps == {100.0: 1, 5.0: 0, None: 2} and not report.dropped_edges
+    assert [c.tool_wait for c in sorted(trace.calls, key=lambda c: c.step)] == [None, 0.1, None]
+    assert any(n.startswith("1 rows are listed before a row of their session that they wait for")
+               for n in report.notes)
+
+
+def test_export_names_the_metadata_it_cannot_write_and_carries_the_workload(tmp_path):
+    src = jsonl(tmp_path / "t.jsonl", [{"pbkv_trace": 1, "block_size": 16, "license": "CC-BY-4.0",
+                                        "source": "lab", "workload": "chatdev", "team": 3},
+                                       call(0, t=0), call(1)])
+    report = export_file("agentic-mooncake", src, tmp_path / "o.jsonl")
+    assert "not written (agentic-mooncake files have no metadata line): license 'CC-BY-4.0', source 'lab', " \
+           "'team'" in report.notes
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert {r["workload"] for r in rows} == {"chatdev"}

@@ -11,7 +11,10 @@ first row: both are metadata the replay does not schedule by. The files do not r
 size (Dynamo's converter prints it), so the importer needs `--source-block-size`.
 
 pbkv's model is a sequence of steps per workflow, so a session becomes a workflow (steps in file
-order) and `tool_wait` = (`delay` + `tool_wait_ms`) / 1000 s before each step after the first.
+order, except that a row comes after every row of its session it waits for: a note counts the rows
+listed before their dependency) and `tool_wait` = (`delay` + `tool_wait_ms`) / 1000 s before each
+step after the first. A first row waits for nothing, so its own `delay`/`tool_wait_ms` are not
+kept (a note counts them); the export writes a first call's `tool_wait` as a later `timestamp`.
 Every edge other than "previous row of the same session -> next row" is reported with its kind:
 `spawn` (into another session's first row), `join` (into a later row of another session), `skip`
 (same session, not consecutive) or `dangling` (a row cut by `--limit`). The agent is the row's
@@ -27,11 +30,14 @@ The export writes `delay_ms` (where the import keeps `delay`) back as `delay` an
 `tool_wait` as `tool_wait_ms`, refusing a `delay_ms` that is not a finite number >= 0 or that exceeds
 the call's `tool_wait` (in ms; no `tool_wait` is no wait): the row would wait longer than the call
 does in pbkv's replay, and no `tool_wait_ms` >= 0 could make up the difference; `context` and other extra keys have no field in these rows and
-are not written (a note counts them).
+are not written (a note counts them), nor has the metadata line (a note names the license, source,
+notes and other keys; a metadata `workload` is written on every row without its own).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 from typing import IO, Callable
 
@@ -65,7 +71,8 @@ def _parse(row: Row, block_size: int) -> dict:
 
 
 def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
-    """One workflow per session, steps in file order; DAG edges beyond the sequence are reported."""
+    """One workflow per session, steps in file order after what they wait for (`_steps`); DAG
+    edges beyond the sequence are reported."""
     parsed, where = [], {}  # where: request_id -> row
     for row in rows:
         p = _parse(row, block_size)
@@ -75,11 +82,10 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
         where[rid] = row
         parsed.append(p)
     _refuse_cycles(parsed, where)
-    place: dict[str, tuple[str, int]] = {}  # request_id -> (session, step)
+    place = _steps(parsed, _sessions(parsed, report), report)  # request_id -> (session, step)
     steps: dict[str, int] = {}
-    for p, session in zip(parsed, _sessions(parsed, report)):
-        place[p["request_id"]] = (session, steps.get(session, 0))
-        steps[session] = place[p["request_id"]][1] + 1
+    for session, step in place.values():
+        steps[session] = max(steps.get(session, 0), step + 1)
     spawned = _edges(parsed, where, place, report)
     calls = []
     for p in parsed:
@@ -94,6 +100,11 @@ def read(rows: list[Row], block_size: int, report: ImportReport) -> list[Call]:
             tool_wait=sum(waits) / 1000.0 if step and waits else None,
             done=session_done(step == steps[session] - 1, report),
             extra={"delay_ms": p["delay"]} if step and p["delay"] else {}))
+    unwaited = [p for p in parsed if not place[p["request_id"]][1] and not p["wait_for"] and (p["delay"] or p["tool_wait_ms"])]
+    if unwaited:
+        report.notes.append(f"{len(unwaited)} session first rows without wait_for carry `delay`/`tool_wait_ms` "
+                            f"(first: {unwaited[0]['request_id']!r}): not kept, as Dynamo waits them only after a "
+                            f"row's dependencies and these rows start at their `timestamp`")
     return calls
 
 
@@ -159,6 +170,42 @@ def _sessions(parsed: list[dict], report: ImportReport) -> list[str]:
         report.notes.append(f"{len(renamed)} row(s) without session_id have a request_id that is also a "
                             f"session_id in the file: each is its own workflow, renamed (first: {renamed[0]!r})")
     return out
+
+
+def _steps(parsed: list[dict], sessions: list[str], report: ImportReport) -> dict[str, tuple[str, int]]:
+    """request_id -> (session, step): a session's rows in file order, except that a row comes
+    after every row of its session it waits for (a row listed before its dependency would
+    otherwise run first in pbkv's replay: the dependency reversed). Among rows free to go, file
+    order decides. Invariant: every in-session `wait_for` edge goes from a lower step to a
+    higher one (`_refuse_cycles` ran first, so such an order exists)."""
+    index = {p["request_id"]: i for i, p in enumerate(parsed)}
+    members: dict[str, list[int]] = {}
+    for i, session in enumerate(sessions):
+        members.setdefault(session, []).append(i)
+    place, moved = {}, 0
+    for session, rows in members.items():
+        mine = set(rows)
+        waiting = {i: {index[d] for d in parsed[i]["wait_for"] if index.get(d) in mine} for i in rows}
+        users: dict[int, list[int]] = {}
+        for i in rows:
+            for d in waiting[i]:
+                users.setdefault(d, []).append(i)
+        moved += sum(any(d > i for d in waiting[i]) for i in rows)
+        ready = [i for i in rows if not waiting[i]]   # file indices: a heap gives file order
+        heapq.heapify(ready)
+        for step in itertools.count():
+            if not ready:
+                break
+            i = heapq.heappop(ready)
+            place[parsed[i]["request_id"]] = (session, step)
+            for u in users.get(i, ()):
+                waiting[u].discard(i)
+                if not waiting[u]:
+                    heapq.heappush(ready, u)
+    if moved:
+        report.notes.append(f"{moved} rows are listed before a row of their session that they wait for: "
+                            f"steps follow wait_for (then file order), so each runs after what it waits for")
+    return place
 
 
 def _edges(parsed: list[dict], where: dict, place: dict, report: ImportReport) -> set[str]:
@@ -237,14 +284,18 @@ def write(trace: Trace, f: IO[str]) -> ExportReport:
     """One row per call; a step waits for the previous step of its workflow, then for its tool_wait.
     The trace must pass `check` (`export_file` runs it before opening the output)."""
     report = ExportReport("agentic-mooncake", block_size=trace.block_size)
-    untimed = 0
+    untimed = first_waits = 0
+    named = trace.meta.extra.get("workload")   # a workload named only by the metadata line
     for call in _step_order(trace):
         row: dict = {"request_id": f"{call.workflow_id}:{call.step}", "session_id": call.workflow_id}
-        if call.t is not None:
+        if call.step == 0:
+            # a first row has no dependencies, and Dynamo waits `delay`/`tool_wait_ms` only after
+            # those: a first call's tool_wait is kept by starting the row that much later
+            untimed += call.t is None
+            first_waits += bool(call.tool_wait)
+            row["timestamp"] = round(((call.t or 0.0) + (call.tool_wait or 0.0)) * 1000.0, 3)
+        elif call.t is not None:
             row["timestamp"] = round(call.t * 1000.0, 3)
-        elif call.step == 0:
-            row["timestamp"] = 0.0  # a row without dependencies needs a start time
-            untimed += 1
         row.update(input_length=call.input_length, output_length=call.output_length, hash_ids=call.hash_ids,
                    wait_for=[])
         if call.step:
@@ -254,18 +305,36 @@ def write(trace: Trace, f: IO[str]) -> ExportReport:
             if tool > 0:
                 row["tool_wait_ms"] = tool
         row.update(branches=[], prefix_reset=call.step == 0, agent=call.agent)
-        if call.workload is not None:
-            row["workload"] = call.workload
+        workload = call.workload if call.workload is not None else named
+        if isinstance(workload, str):
+            row["workload"] = workload
         # allow_nan=False: a NaN that got past the checks fails here rather than as a row no reader takes
         f.write(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n")
         report.rows += 1
     report.workflows = len({c.workflow_id for c in trace.calls})
     if untimed:
         report.notes.append(f"{untimed} workflows have no arrival time `t`: their first rows start at timestamp 0")
-    dropped = _not_written(trace)
-    if dropped:
-        report.notes.append(dropped)
+    if first_waits:
+        report.notes.append(f"{first_waits} workflows' first call has a tool_wait: written as a later `timestamp` "
+                            f"of its row (Dynamo waits `delay`/`tool_wait_ms` only after a row's dependencies, "
+                            f"and a first row has none); read back, the wait is part of the arrival time, not "
+                            f"of the workflow's latency")
+    for dropped in (_not_written(trace), _meta_not_written(trace.meta)):
+        if dropped:
+            report.notes.append(dropped)
     return report
+
+
+def _meta_not_written(meta) -> str | None:
+    """One line naming the metadata the rows have no place for (the files have no metadata
+    line): the license above all, which a copy of the trace would otherwise lose unannounced.
+    A metadata `workload` is not named: it is written on every row without its own."""
+    parts = [f"{k} {show_value(v)}" for k, v in (("license", meta.license), ("source", meta.source),
+                                                  ("notes", meta.notes)) if v is not None]
+    parts += [show_value(k) for k in meta.extra if k != "workload"]
+    if not parts:
+        return None
+    return "not written (agentic-mooncake files have no metadata line): " + ", ".join(parts)
 
 
 def _not_written(trace: Trace, shown: int = 5) -> str | None:
