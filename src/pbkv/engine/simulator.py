@@ -45,7 +45,8 @@ class EngineStats(base.EngineStats):
 
 
 class Simulator(EngineBase):
-    """The simulated engine. Drivers call `start_workflow`, `submit`, `end_workflow`, `at`, `run`."""
+    """The simulated engine. Drivers call `start_workflow`, `submit`, `end_workflow`, `at`, `run`;
+    a cluster hands routed calls over with `arrive`."""
 
     def __init__(self, cost: CostModel, cache: TieredCache, policy: Policy):
         self.now = 0.0
@@ -66,6 +67,9 @@ class Simulator(EngineBase):
         # calls issued during the pass see this instance as it is then (`pbkv.scale.cluster`)
         self._pass: list[Request] = []
         self._inflight: dict[int, float] = {}  # node id -> when the load moving it up completes
+        # calls a router handed over (`arrive`), not yet submitted: a heap by (time, arrival order)
+        self._arrivals: list[tuple[float, int, Request]] = []
+        self._arrived = 0
         prof = cost.profile
         self.max_prefill_tokens = prof.max_prefill_tokens
         self.max_running = prof.max_running
@@ -104,17 +108,28 @@ class Simulator(EngineBase):
             return False
         return True
 
+    def arrive(self, req: Request, when: float) -> None:
+        """Take `req`, sent here at `when` by a router (`pbkv.scale.cluster`; an idle engine is
+        brought to `when`). It is submitted as a plain run's driver event due at `when` would be:
+        at this engine's next step, among its own due events in order of time (after the effects
+        of a pass ending at `now`), so the policy hears `on_call_start` at the same point and
+        sees the same tree. Until then it counts as a waiting request (`load`, `queued`,
+        `quiet_until`); it is kept apart from the events, which `quiet_until` reads."""
+        self.now = max(self.now, when)
+        self._arrived += 1
+        heapq.heappush(self._arrivals, (when, self._arrived, req))
+
     def busy(self) -> bool:
         """Whether `step` has anything to do (requests, runs or scheduled events)."""
-        return bool(self._pass or self._waiting or self._running or self._events)
+        return bool(self._pass or self._waiting or self._running or self._events or self._arrivals)
 
     def load(self) -> int:
         """Requests waiting, in the prefill pass or running (a router's view of this instance's queue)."""
-        return len(self._waiting) + len(self._pass) + len(self._running)
+        return self.queued() + len(self._pass) + len(self._running)
 
     def queued(self) -> int:
-        """Requests waiting for admission."""
-        return len(self._waiting)
+        """Requests waiting for admission (those `arrive` handed over included)."""
+        return len(self._waiting) + len(self._arrivals)
 
     def quiet_until(self) -> float:
         """A lower bound on when this engine next ends a call (the driver's cue to issue more)
@@ -122,11 +137,20 @@ class Simulator(EngineBase):
         output of one token ends with the pass), else the running head's end at today's step
         time (batch and context only grow before that end, and a step never gets faster)."""
         t = self._events.next_time() if self._events else math.inf
-        if self._pass or (self._waiting and not self._blocked):
+        if self._pass or ((self._waiting or self._arrivals) and not self._blocked):
             return min(t, self.now)
         if self._running:
             t = min(t, self.now + (self._running[0][0] - self._step) * self._step_seconds())
         return t
+
+    def _fire_events(self) -> None:
+        """The due events and the calls handed over by `arrive` (all due), in order of time; at
+        one time the engine's own events first (they were scheduled before the call arrived)."""
+        while self._arrivals:
+            when, _, req = heapq.heappop(self._arrivals)
+            self._events.fire_due(lambda when=when: min(when, self.now))
+            self.submit(req)
+        super()._fire_events()
 
     # ------------------------------------------------------------------ scheduling
 

@@ -18,6 +18,10 @@ prefill pass cannot stop; its effects (blocks in the tree, calls ending, their w
 the shared tier) come in the instance's next step, after the driver events due during the pass,
 so a call issued then never sees or reads KV that does not exist yet. An
 instance that was idle is brought to the cluster's time when a call is routed to it.
+The router decides at the call's time; the instance takes the call (`Simulator.arrive`), and
+with one instance a workflow's start, where a plain run's engine would, in its own event order
+(after such a pass's effects), so its policy hears the same hooks in the same order with the same
+arguments: one instance behind any router reproduces the plain record exactly, prefetches too.
 
 KV movement: when the router says `fetch_from`, the prompt's leading full blocks the source
 holds beyond what the target holds are sent over the target's inbound `Link` (transfers to one
@@ -155,6 +159,9 @@ class Cluster:
         self._wf_index[workflow_id] = workflow
         self._wf_id[workflow] = workflow_id
         self._started[workflow] = set()
+        if len(self.instances) == 1:   # every call of it will run there: tell it when a plain run does
+            self._started[workflow].add(0)
+            self._tell(self.instances[0], lambda: self.instances[0].start_workflow(workflow, workflow_id))
 
     def end_workflow(self, workflow: int) -> None:
         for k in sorted(self._started.pop(workflow, ())):
@@ -191,9 +198,18 @@ class Cluster:
         elif peer > local:
             self._fetch(k, list(call.hash_ids[:peer]), req, local, self.link)
         else:
-            engine.submit(req)
+            engine.arrive(req, self.now)
         if self.shared is not None:
             self._write_behind(req)
+
+    def _tell(self, engine: Simulator, fn) -> None:
+        """Run `fn` (a driver call on `engine`) where a plain run's engine would: at once inside
+        that engine's step, else as its event due now, in its own event order (after a pass
+        ending at its `now`, after its events due earlier)."""
+        if self._current is engine:
+            fn()
+        else:
+            engine.at(self.now, fn)
 
     def _reuse_probability(self, workflow: int) -> float | None:
         """The prediction of the instance that ran the workflow's latest call (its policy saw
@@ -294,7 +310,7 @@ class Cluster:
             engine.tree.unlock(node)
         elif missing > 0:
             self._failed(shared)
-        engine.submit(req)   # keeps the arrival stamped in `submit`: the KV's wait is latency
+        engine.arrive(req, self._t)   # keeps the arrival stamped in `submit`: the KV's wait is latency
 
     def _failed(self, shared: bool) -> None:
         if shared:
