@@ -125,6 +125,24 @@ def test_status_lines_go_to_stderr_when_the_output_is_stdout(tmp_path):
         assert "wrote" in r.stderr, r.stderr
 
 
+def test_an_error_is_one_line_on_stderr_never_in_the_piped_trace(tmp_path):
+    """Before: printed on stdout, wrapped at 110 columns: inside a `-o /dev/stdout` stream the
+    reader said "not valid JSON" and the real error was never shown."""
+    import subprocess
+    import sys
+    code = "import sys; from pbkv.cli import app; sys.argv[0] = 'pbkv'; app()"
+    bad = tmp_path / ("a-long-folder-name-" * 4) / "bad.jsonl"
+    bad.parent.mkdir()
+    bad.write_text('{"workflow_id": "w", "step": 0, "agent": "a", "input_length": 16, "output_length": -3, '
+                   '"hash_ids": [1]}\n')
+    r = subprocess.run([sys.executable, "-c", code, "trace", "flatten", str(bad), "-o", "/dev/stdout"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and len(lines[0]) > 110, r.stderr
+    assert lines[0].startswith("error: ") and lines[0].endswith("field 'output_length': expected an integer >= 0, got -3")
+
+
 # ---- --workload empty, or given with --trace
 def test_an_empty_workload_list_names_the_option(tmp_path):
     for command in ("bench", "ablate"):

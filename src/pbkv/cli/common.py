@@ -201,7 +201,7 @@ PredictorOpt = Annotated[Optional[Path], typer.Option(
     help="A predictor directory saved by `pbkv train` (serve: loaded at start if present, saved on shutdown).")]
 HorizonOpt = Annotated[Optional[int], typer.Option(
     help="Prediction horizon K, steps ahead (default: the predictor's; 3 when training).")]
-EpochsOpt = Annotated[Optional[int], typer.Option(min=1, help="Training epochs (default: about 2,500 steps).")]
+EpochsOpt = Annotated[Optional[int], typer.Option(min=1, help="Training epochs (default: about 1,250 steps).")]
 OnlineOpt = Annotated[bool, typer.Option(
     help="Retrain the predictor from finished workflows during the run (bench) or while serving.")]
 
@@ -235,8 +235,11 @@ def distinct(option: str, values: list) -> list:
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print `error: message` (taken literally, not as rich markup) and exit with `code`:
-    2 for a bad command line or setup, 1 for bad input data (a malformed trace)."""
-    console.print(f"[red]error:[/red] {escape(message)}")
+    2 for a bad command line or setup, 1 for bad input data (a malformed trace).
+    On stderr, as one line (never wrapped): `2> err.log` and `grep` find it whole, and a command
+    writing a trace to stdout (`-o /dev/stdout | pbkv trace stats /dev/stdin`) never puts it in
+    the stream, where the reader would report "not valid JSON" instead."""
+    err_console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -263,8 +266,8 @@ def exit_on_error(debug: bool | None = None):
             fail(str(e))
         if debug is not False:
             raise
-        console.print(f"[red]error:[/red] {escape(type(e).__name__)}: {escape(str(e))} "
-                      f"(run again with --debug for the traceback)", soft_wrap=True)
+        err_console.print(f"[red]error:[/red] {escape(type(e).__name__)}: {escape(str(e))} "
+                          f"(run again with --debug for the traceback)", soft_wrap=True)
         raise typer.Exit(1) from None
 
 
