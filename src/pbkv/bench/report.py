@@ -158,7 +158,23 @@ def vllm_table(workload: str, rows: list[dict]) -> Table:
 def print_tables(records: list[dict], console: Console | None = None) -> None:
     console = console or Console()
     for t in tables(records):
-        console.print(t)
+        print_whole(console, t)
+
+
+def print_whole(console: Console, table: Table) -> None:
+    """Print `table` uncut. A terminal keeps its width (rich fits the table to it); a file or a
+    pipe (a CI log, `| tee`) gets the table's natural width: at the console's fixed 110 columns a
+    router table (15 columns) came out as `co…` and `1.025 (0.998-1.…`."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = console.measure(table, options=console.options.update_width(10_000)).maximum
+    width = console.width
+    console.width = max(width, natural)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def write_json(data, path: Path) -> Path:

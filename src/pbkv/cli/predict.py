@@ -175,6 +175,8 @@ def table_ks(horizon: int) -> list[int]:
 def _print_predict_table(rows) -> None:
     from rich.table import Table
 
+    from pbkv.bench.report import print_whole
+
     horizon = max(int(key[6:]) for _, _, m in rows for key in m if key.startswith("top1_k"))
     ks = table_ks(horizon)
     caption = None if ks == list(range(1, horizon + 1)) else \
@@ -188,4 +190,4 @@ def _print_predict_table(rows) -> None:
     for label, _, m in rows:
         table.add_row(label, *[f(m.get(f"top1_k{i}")) for i in ks], f(m["end_acc"]), f(m["ece"]),
                       f(m["us_per_call"], "{:.0f}"))
-    console.print(table)
+    print_whole(console, table)
