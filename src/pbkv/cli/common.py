@@ -186,8 +186,8 @@ JobsOpt = Annotated[int, typer.Option(min=1, help="Parallel worker processes.")]
 
 # ---- the cache (pbkv.cache.config.CacheConfig; unset: the engine's default)
 DeviceTokensOpt = Annotated[Optional[int], typer.Option(
-    min=1, help="Device KV capacity in tokens (default: sim the profile's; hf and simcheck 8 x the longest scaled "
-                "call; serve 16384; vllm 768).")]
+    min=1, help="Device KV capacity in tokens (default: bench each --pressure regime's, or the profile's with "
+                "--pressure profile; hf and simcheck 8 x the longest scaled call; serve 16384; vllm 768).")]
 HostTokensOpt = Annotated[Optional[int], typer.Option(
     min=0, help="Host KV capacity in tokens (default: sim and hf profile host_ratio x device; serve 2 x device; "
                 "vllm 512).")]
