@@ -165,3 +165,16 @@ def test_verdict_gives_each_router_of_a_cluster_run_its_own_segment():
     line, = verdicts(records)
     assert "pbkv 1.00x LRU" in line and "router prefix, 2 instances" in line
     assert "pbkv 1.10x LRU" in line and "router pbkv, 2 instances" in line
+
+
+def test_verdict_words_agree_with_the_printed_oracle_figure():
+    """An oracle at 1.0159x prints as 1.02x: a 2% gain, so the line gives a share rather than
+    "the oracle gains nothing here (1.02x)"; 1.0149x prints as 1.01x and gains nothing."""
+    def recs(oracle):
+        base = {"workload": "hover", "concurrency": 8, "tiers": "device", "pressure": 0.05}
+        return [{**base, "policy": "lru"}, {**base, "policy": "kvflow", "speedup_vs_lru": 1.01244},
+                {**base, "policy": "pbkv", "speedup_vs_lru": 1.00271}, {**base, "policy": "oracle", "speedup_vs_lru": oracle}]
+    line, = verdicts(recs(1.01588))
+    assert "17% of the oracle's gain (1.02x)" in line and "gains nothing" not in line
+    line, = verdicts(recs(1.0149))
+    assert "the oracle gains nothing here (1.01x)" in line
