@@ -130,3 +130,22 @@ def test_behind_routers_each_record_gets_the_best_other_routers_range_per_sample
     text = console.export_text()
     assert "1.023 (0.880-1.111)" in text and "…" not in text   # pbkv's x best: 11 / 10.75, and its range
     assert console.width == 110
+
+
+def test_ablate_takes_benchs_memory_regimes_by_default_and_when_given(monkeypatch, tmp_path):
+    """`pbkv ablate` at its defaults ran on the profile's whole memory (nothing evicted: every
+    policy identical); it now sizes memory as `pbkv bench` does (--pressure auto, --tiers auto)."""
+    import pbkv.bench.main
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    seen = []
+    monkeypatch.setattr(pbkv.bench.main, "run", lambda args, console: seen.append(
+        (args.pressures, args.tiers, args.cache.disk_tokens)))
+    base = ["--workload", "swe", "--workflows", "2", "--concurrency", "2", "--out", str(tmp_path)]
+    given = ["--pressure", "0.05", "--tiers", "device+host+disk", "--disk-tokens", "900"]
+    for extra in ([], given):
+        for command in ("bench", "ablate"):
+            r = CliRunner().invoke(app, [command, *base, *extra])
+            assert r.exit_code == 0, r.output
+    assert seen == [("auto", [], None)] * 2 + [([0.05], ["device+host+disk"], 900)] * 2

@@ -134,9 +134,12 @@ def ablate(
     workload: WorkloadOpt = None,
     trace: TracesOpt = None,
     concurrency: ConcurrencyOpt = "64,96,128",
+    pressure: PressureOpt = "auto",   # as bench: the profile's whole memory evicts nothing to ablate
+    tiers: TiersOpt = "auto",
     profile: ProfileOpt = "a6000-qwen3-32b",
     device_tokens: DeviceTokensOpt = None,
     host_tokens: HostTokensOpt = None,
+    disk_tokens: DiskTokensOpt = None,
     workflows: WorkflowsOpt = None,
     seed: SeedOpt = 0,
     train: TrainOpt = None,
@@ -147,7 +150,7 @@ def ablate(
     debug: DebugOpt = False,
 ):
     """The ablation table in one command: lru, kvflow, pbkv-retired, pbkv-noprefetch, pbkv-history,
-    pbkv-context, pbkv, oracle, side by side."""
+    pbkv-context, pbkv, oracle, side by side, in the same memory regimes as `pbkv bench`."""
     from pbkv.bench.main import ABLATION, BenchArgs
     from pbkv.bench.predictors import PredictorSource
     from pbkv.cache import CacheConfig
@@ -158,8 +161,9 @@ def ablate(
     run_bench(BenchArgs(
         sources=sources(workload, ABLATE_WORKLOADS, trace, workflows, seed), policies=ABLATION,
         concurrency=concurrency_list(concurrency), profile=profile,
-        cache=CacheConfig(device_tokens, host_tokens), jobs=jobs, out=out, horizon=horizon, samples=samples,
-        predictor=PredictorSource(train=strs(train), horizon=horizon or 3, takes_predictor=False)), debug)
+        cache=CacheConfig(device_tokens, host_tokens, disk_tokens), jobs=jobs, out=out, horizon=horizon,
+        samples=samples, predictor=PredictorSource(train=strs(train), horizon=horizon or 3, takes_predictor=False),
+        **regime_args(pressure, tiers)), debug)
 
 
 def sources(workload: str | None, default: str, trace: list[Path] | None, workflows: int | None,
