@@ -178,3 +178,27 @@ def test_verdict_words_agree_with_the_printed_oracle_figure():
     assert "17% of the oracle's gain (1.02x)" in line and "gains nothing" not in line
     line, = verdicts(recs(1.0149))
     assert "the oracle gains nothing here (1.01x)" in line
+
+
+def test_a_clamped_pressure_is_named_on_the_terminal(tmp_path):
+    """--pressure fractions below the largest call are clamped up (the call must fit) and two of
+    them merged into one regime; that used to happen silently."""
+    from pbkv.bench.regimes import clamp_note
+    assert clamp_note(tiny(), [1.0]) is None
+    assert clamp_note(tiny(), [0.5, 1.0]) == (
+        "t: --pressure 0.5 is below the largest call (60 tokens of 60 distinct prompt tokens), which could "
+        "never run; ran at pressure 1 (device 60 tokens) instead")
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    r = CliRunner().invoke(app, ["bench", "--workload", "hover", "--workflows", "5", "--pressure", "0.001,0.002",
+                                 "--tiers", "device", "--policies", "lru", "--out", str(tmp_path)])
+    said = " ".join(r.output.split())   # the console wraps lines at its width
+    assert r.exit_code == 0, r.output
+    assert ("note: hover: --pressure 0.001, 0.002 are below the largest call (3,873 tokens" in said
+            and "ran at pressure 0.1447 (device 3,873 tokens) instead; the 2 clamped fractions are one regime, "
+                "run once" in said), r.output
+    # --device-tokens wins over --pressure: nothing is clamped, nothing to say
+    r = CliRunner().invoke(app, ["bench", "--workload", "hover", "--workflows", "5", "--pressure", "0.001",
+                                 "--device-tokens", "5000", "--policies", "lru", "--out", str(tmp_path)])
+    assert r.exit_code == 0 and "note:" not in r.output, r.output

@@ -13,7 +13,7 @@ from pbkv.bench.report import print_tables, write_json, write_plots
 from pbkv.bench.regimes import check_tiers
 from pbkv.bench.runner import check_fits
 from pbkv.bench.verdict import verdicts
-from pbkv.bench.sweep import SweepConfig, check_names, load_workload, run_sweep, sweep_jobs
+from pbkv.bench.sweep import SweepConfig, check_names, load_workload, pressure_notes, run_sweep, sweep_jobs
 from pbkv.driver.replay import check_arrivals
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import policy_class
@@ -92,6 +92,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             check_arrivals(workload.workflows, name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
+    for note in pressure_notes(args):   # a clamped --pressure runs more memory than asked: say so
+        console.print(f"note: {note}", markup=False, highlight=False)
     with _bar(console) as bar:
         task = bar.add_task("training predictors", total=None)
         trained = [p for p in pols if p != "vllm"]        # vLLM alone: not a pbkv policy

@@ -13,7 +13,8 @@ disk_tokens are its default tiers, used only when no tier set is given). Sizes t
 the tier sets (`--host-tokens 0` with a host tier, or `--disk-tokens N` with no tier set that
 has a disk) are refused (`check_tiers`) rather than silently dropped.
 A regime's device capacity never drops below the largest single call (prompt + output), or
-that call could never run; such a regime is clamped up (its record shows the real capacity).
+that call could never run; such a regime is clamped up (its record shows the real capacity, and
+`clamp_note` words it for the terminal).
 """
 
 from __future__ import annotations
@@ -107,10 +108,8 @@ def regimes(workload, pressures: list[float], tiers: list[str], device_tokens: i
         devices = [(None, device_tokens)]
     else:
         total, floor = distinct_prompt_tokens(workload), largest_call(workload)
-        # a pressure clamped up to the largest call is reported as the one it really is (two
-        # clamped pressures are then one regime: run once)
-        devices = [(p, int(p * total)) if int(p * total) >= floor else (round(floor / total, 4), floor)
-                   for p in pressures]
+        # two clamped pressures are one regime: run once (`clamp_note` says so)
+        devices = [pressure_device(p, total, floor) for p in pressures]
     out = []
     for pressure, device in devices:
         for t in tiers or [None]:
@@ -118,6 +117,32 @@ def regimes(workload, pressures: list[float], tiers: list[str], device_tokens: i
             if regime not in out:
                 out.append(regime)
     return out
+
+
+def pressure_device(pressure: float, total: int, floor: int) -> tuple[float, int]:
+    """(pressure, device tokens) of a requested fraction of `total` distinct prompt tokens.
+    Invariant: the device holds at least `floor` (the largest call, which could not run on less);
+    a fraction below that is clamped up and reported as the pressure it really is."""
+    device = int(pressure * total)
+    return (pressure, device) if device >= floor else (round(floor / total, 4), floor)
+
+
+def clamp_note(workload, pressures: list[float]) -> str | None:
+    """The words for what `regimes` does to requested fractions below the largest call (None:
+    none is): which ones, the pressure and device used instead, why, and that several clamped
+    fractions became one regime. A run must not look like the one asked for when it is not."""
+    total, floor = distinct_prompt_tokens(workload), largest_call(workload)
+    low = [p for p in pressures if int(p * total) < floor]
+    if not low:
+        return None
+    used, device = pressure_device(low[0], total, floor)
+    asked = ", ".join(f"{p:g}" for p in low)
+    note = (f"{workload.name}: --pressure {asked} {'is' if len(low) == 1 else 'are'} below the largest call ({floor:,} tokens of "
+            f"{total:,} distinct prompt tokens), which could never run; ran at pressure {used:g} "
+            f"(device {device:,} tokens) instead")
+    if len(low) > 1:
+        note += f"; the {len(low)} clamped fractions are one regime, run once"
+    return note
 
 
 def _with_tiers(pressure, tiers, device, host, disk) -> Regime:

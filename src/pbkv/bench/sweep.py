@@ -167,6 +167,15 @@ def sweep_regimes(cfg: SweepConfig, source: Source, concurrency: int | None) -> 
                                cfg.cache.disk_tokens)
 
 
+def pressure_notes(cfg: SweepConfig) -> list[str]:
+    """One line per workload whose requested --pressure fractions are clamped up to its largest
+    call (the simulator sizes the device from them only when no --device-tokens is given)."""
+    if cfg.engine != "sim" or not isinstance(cfg.pressures, list) or cfg.cache.device_tokens is not None:
+        return []
+    notes = (regimes_mod.clamp_note(load_workload(s), cfg.pressures) for s in cfg.sources)
+    return [n for n in notes if n]
+
+
 def tier_device(cfg: SweepConfig, pressures: list[float]) -> int | None:
     """The device size a regime's tier ratios apply to: the given one, else (simulator, tier sets
     given, no pressures: `--pressure profile`) the profile's device, so --tiers device+host+disk

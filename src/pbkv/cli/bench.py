@@ -22,7 +22,7 @@ PressureOpt = Annotated[str, typer.Option(
     help="Device capacity as a fraction of the replay's distinct prompt tokens, comma-separated (e.g. "
          "0.02,0.05,0.1); 'auto': chosen from each workload's working set (the default run's regimes); "
          "'profile': the profile's device (and, with --tiers auto, the profile's host and disk). "
-         "--device-tokens wins.")]
+         "A fraction below the largest call is raised to it (a note says so). --device-tokens wins.")]
 TiersOpt = Annotated[str, typer.Option(
     help="Tier sets to run, comma-separated: device (vLLM-like), device+host (host 2x device, HiCache-like), "
          "device+host+disk (plus disk 8x device); each runs exactly its tiers, whatever the profile's (--host-tokens "
