@@ -187,13 +187,14 @@ JobsOpt = Annotated[int, typer.Option(min=1, help="Parallel worker processes.")]
 # ---- the cache (pbkv.cache.config.CacheConfig; unset: the engine's default)
 DeviceTokensOpt = Annotated[Optional[int], typer.Option(
     min=1, help="Device KV capacity in tokens (default: bench each --pressure regime's, or the profile's with "
-                "--pressure profile; hf and simcheck 8 x the longest scaled call; serve 16384; vllm 768).")]
+                "--pressure profile; hf 8 x the longest scaled call; simcheck 0.3 of the scaled workload's "
+                "distinct prompt tokens, at least the longest call; serve 16384; vllm 768).")]
 HostTokensOpt = Annotated[Optional[int], typer.Option(
-    min=0, help="Host KV capacity in tokens (default: sim and hf profile host_ratio x device; serve 2 x device; "
-                "vllm 512).")]
+    min=0, help="Host KV capacity in tokens (default: sim and hf profile host_ratio x device; simcheck without "
+                "--device-tokens 0; serve 2 x device; vllm 512).")]
 DiskTokensOpt = Annotated[Optional[int], typer.Option(
-    min=0, help="Disk KV capacity in tokens (default: sim the profile's; hf 8 x device; serve 4 x device; "
-                "vllm 16384).")]
+    min=0, help="Disk KV capacity in tokens (default: sim the profile's; hf 8 x device; simcheck without "
+                "--device-tokens 0; serve 4 x device; vllm 16384).")]
 
 # ---- models
 ModelOpt = Annotated[str, typer.Option(help=MODEL_HELP)]
