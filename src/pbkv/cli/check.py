@@ -57,6 +57,7 @@ def simcheck(
     """Replay one small workload on the real engine and on the simulator (calibrated profile), per policy,
     and print both side by side."""
     from pbkv.bench.predictors import PredictorSource
+    from pbkv.bench.report import print_whole
     from pbkv.bench.simcheck import calibrate as run_calibrate
     from pbkv.bench.simcheck import simcheck as run_simcheck
     from pbkv.bench.simcheck import table, verdict
@@ -84,10 +85,10 @@ def simcheck(
                             CacheConfig(device_tokens, host_tokens, disk_tokens), PredictorSource(train=strs(train)),
                             out, progress=lambda r: console.print(f"  {r['policy']} done"))
     first = rows[0]
-    console.print(table(rows, f"{workload} x{replayed}, concurrency {concurrency}, {model}, scale {scale:g}"
-                        + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
-                        f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
-                        f"disk {first['disk_tokens']:,}"))
+    print_whole(console, table(rows, f"{workload} x{replayed}, concurrency {concurrency}, {model}, scale {scale:g}"
+                               + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
+                               f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
+                               f"disk {first['disk_tokens']:,}"))
     out.mkdir(parents=True, exist_ok=True)
     for line in verdict(rows):
         console.print(line)
