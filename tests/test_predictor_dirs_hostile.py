@@ -170,11 +170,11 @@ def test_serve_refuses_at_start_a_predictor_folder_it_could_not_save_to(folder):
     (folder / ".lock").unlink()
     (folder / ".lock").mkdir()
     with pytest.raises(ValueError, match=r"\.lock: is a folder"):
-        build_policy("pbkv", 16, predictor_dir=folder, online=False)
+        build_policy("pbkv", 16, predictor_dir=folder, online=True)
 
 
 def test_a_save_failing_at_shutdown_is_one_error_line_and_recorded(folder, caplog):
-    setup = build_policy("pbkv", 16, predictor_dir=folder, online=False)
+    setup = build_policy("pbkv", 16, predictor_dir=folder, online=True)
     (folder / ".lock").unlink()
     (folder / ".lock").mkdir()                     # broken after start-up: found by the save itself
     with caplog.at_level(logging.ERROR, logger="pbkv.serve"):

@@ -13,7 +13,9 @@
 - on shutdown the newest neural predictor is saved back to `--predictor` (after a last retrain
   on workflows not yet learned from) as a new version made live atomically, with the learning
   window's workflows (`pbkv.predict.history`): the next server on that folder starts its
-  window with them, so learning goes on across restarts.
+  window with them, so learning goes on across restarts;
+- with `--no-online` nothing is learned, so nothing is saved: `--predictor` is only read (it may
+  be read-only) and restarts never add versions that would rotate older ones out.
 Policies that read a trace's future (the oracle) cannot serve: a server has no future.
 """
 
@@ -228,7 +230,8 @@ def empty_markov(horizon: int):
 def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = None, online: bool = True,
                  learn_every: int = 50, horizon: int = 3, learn_steps: int = 300,
                  learn_nice: int = DEFAULT_NICE) -> PolicySetup:
-    """Raises ValueError (unknown policy, a future-reading policy, an unreadable predictor)."""
+    """Raises ValueError (unknown policy, a future-reading policy, an unreadable predictor, or with
+    `online` a `predictor_dir` a shutdown save could not write)."""
     if needs_future(name):
         raise ValueError(f"policy {name!r} reads the future of a replayed trace; a server has none "
                          f"(use lru, kvflow or pbkv)")
@@ -241,8 +244,8 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
             loaded, horizon = True, predictors[variant].horizon
         else:
             predictors[variant] = empty_markov(horizon)
-        if predictor_dir is not None:  # saved there on shutdown: refuse now what would fail that save
-            check_target(predictor_dir)
+        if predictor_dir is not None and online:  # saved there on shutdown: refuse now what would fail that save
+            check_saving_target(predictor_dir)
     learner = None
     if variant is not None and online:
         learner = TrafficLearner(variant=variant, horizon=horizon, every=learn_every, background=True,
@@ -254,6 +257,17 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
         learner.remember(history)
     policy = make_policy(name, PolicyContext(block_size=block_size, predictors=predictors, online_learner=learner))
     return PolicySetup(policy, learner, variant, predictor_dir, loaded, history)
+
+
+def check_saving_target(predictor_dir: Path) -> None:
+    """Raise ValueError when a learning server could not save to `predictor_dir` at shutdown,
+    saying why it writes there and what to do instead (a read-only folder is served with
+    --no-online, which never writes)."""
+    try:
+        check_target(predictor_dir)
+    except ValueError as e:
+        raise ValueError(f"{e} (pbkv serve saves what it learns to --predictor; pass --no-online to serve "
+                         f"it read-only, or copy it to a writable folder)") from None
 
 
 def load_with_history(predictor_dir: Path):
@@ -278,6 +292,8 @@ def finish_learning(setup: PolicySetup) -> Path | None:
         if newest is not None:
             policy.predictor = newest
     if setup.predictor_dir is None:
+        return None
+    if learner is None:   # --no-online: nothing learned, the folder is left as it was (it may be read-only)
         return None
     from pbkv.predict.predictor import NeuralPredictor
     predictor = getattr(policy, "predictor", None)
