@@ -42,6 +42,78 @@ def snapshot(path: Path) -> dict[str, bytes]:
     return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+# ---- repro 5: a version folder (or anything inside a store) is no save target
+
+def test_a_folder_inside_a_store_is_refused_and_the_live_version_kept(predictor, tmp_path):
+    store_dir = save_predictor(predictor, tmp_path / "P")
+    save_predictor(predictor, store_dir)
+    before = snapshot(store_dir)
+    (tmp_path / "link").symlink_to(store_dir / "v000002")
+    for target in (store_dir / "v000002", store_dir / "v000001", store_dir / "v000002" / "sub",
+                   store_dir / "new", tmp_path / "link"):
+        with pytest.raises(ValueError, match=f"inside the predictor folder {store_dir} .*give {store_dir} itself"):
+            check_target(target)
+    with pytest.raises(ValueError, match="inside the predictor folder"):
+        save_predictor(predictor, store_dir / "v000002")
+    assert snapshot(store_dir) == before and load_predictor(store_dir).agents == predictor.agents
+
+
+def test_a_prune_never_deletes_the_files_of_a_live_version(predictor, tmp_path):
+    """The second line of defence: even called on a live version folder, `_prune` keeps its files."""
+    store_dir = save_predictor(predictor, tmp_path / "P")
+    live = live_dir(store_dir)
+    store._prune(live, "v000009", None)
+    assert sorted(p.name for p in live.iterdir()) == ["config.json", "markov.json", "model.safetensors"]
+
+
+def test_train_and_serve_refuse_a_version_folder_before_any_work(predictor, tmp_path):
+    store_dir = save_predictor(predictor, tmp_path / "P")
+    r = CliRunner().invoke(app, ["train", "--trace", TRACE, "-o", str(store_dir / "v000001"), "--epochs", "1"])
+    assert r.exit_code == 2 and f"give {store_dir} itself" in flat(r.output)
+    with pytest.raises(ValueError, match="inside the predictor folder.*--no-online"):
+        build_policy("pbkv", 16, predictor_dir=store_dir / "v000001", online=True)
+    # serving an older version read-only (a rollback without editing CURRENT) is fine: nothing is saved
+    setup = build_policy("pbkv", 16, predictor_dir=store_dir / "v000001", online=False)
+    assert setup.loaded and finish_learning(setup) is None
+    assert versions(store_dir) == ["v000001"]
+
+
+# ---- repro 15: pruning keeps the version CURRENT named before the save
+
+def test_after_a_rollback_the_next_save_keeps_the_version_rolled_back_to(predictor, tmp_path):
+    store_dir = tmp_path / "P"
+    for _ in range(3):
+        save_predictor(predictor, store_dir)
+    assert versions(store_dir) == ["v000002", "v000003"]
+    (store_dir / "CURRENT").write_text("v000002\n")          # v000003 was bad: roll back by hand
+    save_predictor(predictor, store_dir)
+    assert versions(store_dir) == ["v000002", "v000004"]
+    assert (store_dir / "CURRENT").read_text() == "v000004\n"
+    save_predictor(predictor, store_dir)                     # then as usual: the new one and the one before
+    assert versions(store_dir) == ["v000004", "v000005"]
+
+
+# ---- repro 12: a dangling symlink is refused up front
+
+def test_a_dangling_symlink_is_refused_before_any_work(tmp_path):
+    link = tmp_path / "plink"
+    link.symlink_to(tmp_path / "not-created-yet")
+    for target in (link, link / "sub"):
+        with pytest.raises(ValueError, match=f"{link} is a symlink to a missing folder"):
+            check_target(target)
+    r = CliRunner().invoke(app, ["train", "--trace", TRACE, "-o", str(link), "--epochs", "1"])
+    assert r.exit_code == 2 and "symlink to a missing folder" in flat(r.output)
+    with pytest.raises(ValueError, match="symlink to a missing folder"):
+        build_policy("pbkv", 16, predictor_dir=link, online=True)
+    check_target(tmp_path / "fine" / "deeper")               # plain new folders are still fine
+
+
+def test_a_new_folder_under_a_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="afile is a file"):
+        check_target(tmp_path / "afile" / "P")
+
+
 # ---- repro 16: serve --no-online only reads --predictor
 
 def test_serve_without_online_learning_neither_needs_nor_does_a_write(predictor, tmp_path):

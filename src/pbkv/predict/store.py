@@ -13,8 +13,16 @@ Invariants:
   of a one-line file, also atomic); so whatever instant a writer is killed at, `CURRENT` names
   a complete version: the old one, or the new one;
 - a reader resolves `CURRENT` once and reads only that version: old or new, never a mix;
-- the next save removes stale temporaries (their PID is dead) and every version but the live
-  one and the one before it (a reader may still be loading that);
+- the next save removes stale temporaries (their PID is dead) and every predictor version but
+  two: the new one, and the one `CURRENT` named when the save began (the previous live one: a
+  reader may still be loading it), whatever their numbers. After a rollback (`CURRENT` pointed
+  by hand at an older version) the next save keeps the version rolled back to, not a higher
+  numbered one. With no previous live version (a first save), the newest older version is kept
+  instead (a first save killed before its pointer left it complete);
+- a save never runs inside another predictor folder: a target that is `DIR/v000003` (or any
+  folder under a folder whose `CURRENT` names a version) is refused, since migrating its flat
+  files would delete the live version of DIR; `_prune` also never removes the files of a folder
+  its parent's `CURRENT` names;
 - saves never interleave (`DIR/.lock`): two unlocked saves could each prune the other's
   version, leaving `CURRENT` naming a removed folder;
 - a directory without `CURRENT` is one flat version (the layout before versioning); the first
@@ -26,7 +34,8 @@ Invariants:
   an entry of another kind whose name looks like a version is never removed and its number is
   skipped;
 - whatever would make a save fail after the work (`.lock` not a writable regular file, a folder
-  that cannot be written) is refused by `check_target`, which commands call before any work.
+  that cannot be written, a dangling symlink on the path, a file above it) is refused by
+  `check_target`, which commands call before any work.
 """
 
 from __future__ import annotations
@@ -86,7 +95,12 @@ def check_target(path: str | Path) -> None:
     or permissions. A save removes older versions' folders and a flat layout's files, so it must
     never run in a folder of other files (a user's `config.json`, a LevelDB folder's `CURRENT`)."""
     path = Path(path)
+    store = enclosing_store(path)
+    if store is not None:
+        raise ValueError(f"{path} is inside the predictor folder {store} (its versions are kept there); "
+                         f"a save there would delete files of {store}'s live version: give {store} itself")
     if not path.exists():
+        _check_new(path)
         return
     if not path.is_dir():
         raise ValueError(f"{path} is a file; give a folder for the predictor")
@@ -96,11 +110,49 @@ def check_target(path: str | Path) -> None:
             shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
             raise ValueError(f"{path}: holds other files ({shown}) and no saved predictor; a save replaces "
                              f"files there, so give a new or empty folder")
+    if not os.access(path, os.W_OK | os.X_OK):   # first: on a read-only folder, `.lock` cannot be fixed
+        raise ValueError(f"{path}: cannot write in this folder (read-only or permission denied)")
     problem = _lock_problem(path / LOCK)
     if problem:
         raise ValueError(f"{path / LOCK}: {problem}; remove it (a save creates it as an empty file)")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"{path}: cannot write in this folder (permission denied)")
+
+
+def _check_new(path: Path) -> None:
+    """A folder a save will create (`mkdir(parents=True)`): refuse what makes that fail after the
+    work: a dangling symlink on the path (mkdir raises "File exists" on it), a file above it,
+    or a nearest existing folder that cannot be written."""
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            raise ValueError(f"{p} is a symlink to a missing folder ({os.readlink(p)}); create that folder "
+                             f"or give another path for the predictor")
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"{p} is a file; cannot create the predictor folder {path} under it")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ValueError(f"{p}: cannot create the predictor folder {path} there (read-only or "
+                                 f"permission denied)")
+            return
+
+
+def enclosing_store(path: str | Path) -> Path | None:
+    """The versioned predictor folder `path` lies inside (a folder above it whose `CURRENT` names a
+    version holding a predictor), or None. Both the path as given and its resolved form (a symlink
+    into a store) are checked."""
+    path = Path(path)
+    for form in (path.absolute(), path.resolve()):
+        for above in form.parents:
+            if (above / POINTER).is_file() and _saved_predictor(above):
+                return above
+    return None
+
+
+def _is_live_version(path: Path) -> bool:
+    """`path` is the folder its parent's `CURRENT` names: its files are a live predictor's."""
+    pointer = path.parent / POINTER
+    try:
+        return pointer.is_file() and _read_pointer(pointer) == path.name
+    except OSError:
+        return True   # unreadable pointer: assume the worst, never delete
 
 
 def _ours(path: Path, name: str) -> bool:
@@ -214,17 +266,30 @@ def _point_to(path: Path, name: str) -> None:
     _fsync(path)
 
 
-def _prune(path: Path, live: str) -> None:
-    """Drop predictor versions older than the one before `live`, and a flat layout's files
-    (only when they are a predictor's: `config.json` is removed last, so a prune killed midway
-    leaves them recognisable and the next save finishes it)."""
+def _prune(path: Path, live: str, before: str | None) -> None:
+    """Drop every predictor version but `live` (just made live) and `before` (the one `CURRENT`
+    named when this save began: a reader may still be loading it); without `before`, the newest
+    older version stays in its place. Also drop a flat layout's files (only when they are a
+    predictor's and not the live version of a store above: `config.json` is removed last, so a
+    prune killed midway leaves them recognisable and the next save finishes it)."""
     live_number = int(VERSION_NAME.fullmatch(live).group(1))
     older = [name for n, name in _versions(path) if n < live_number]
-    for name in older[:-1]:
-        shutil.rmtree(path / name, ignore_errors=True)
-    if _is_predictor_folder(path):
+    keep = {live, before if before is not None else (older[-1] if older else None)}
+    for name in older:
+        if name not in keep:
+            shutil.rmtree(path / name, ignore_errors=True)
+    if _is_predictor_folder(path) and not _is_live_version(path):
         for f in FLAT_FILES:
             (path / f).unlink(missing_ok=True)
+
+
+def _live_name(path: Path) -> str | None:
+    """The version `CURRENT` names now, or None (no pointer, or not a version name)."""
+    try:
+        name = _read_pointer(path / POINTER)
+    except OSError:
+        return None
+    return name if VERSION_NAME.fullmatch(name) else None
 
 
 def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
@@ -237,11 +302,12 @@ def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
         remove_stale(path, STALE)
         # the sibling temp folder of the earlier save (`.NAME.tmp<PID>`), left by a killed writer
         remove_stale(path.parent, re.escape(f".{path.name}.tmp") + r"(?P<pid>\d+)")
+        before = _live_name(path)   # read under the lock: no other save moves it until we are done
         name = _write_version(path, write)
         on_step("renamed")
         _point_to(path, name)
         on_step("pointed")
-        _prune(path, name)
+        _prune(path, name, before)
     return path
 
 
