@@ -93,6 +93,27 @@ def test_after_a_rollback_the_next_save_keeps_the_version_rolled_back_to(predict
     assert versions(store_dir) == ["v000004", "v000005"]
 
 
+# ---- repro 7: pbkv train over a folder servers saved into keeps their workflows
+
+def test_train_into_a_served_folder_carries_the_learned_workflows(predictor, tmp_path):
+    from pbkv.cli.predict import _save_keeping_history
+    store_dir = save_predictor(predictor, tmp_path / "P", history=FLOWS)
+    assert _save_keeping_history(predictor, store_dir) == len(FLOWS)
+    assert _save_keeping_history(predictor, store_dir) == len(FLOWS)   # the version holding them is pruned now
+    assert versions(store_dir) == ["v000002", "v000003"] and read_history(store_dir) == FLOWS
+    assert _save_keeping_history(predictor, tmp_path / "new") == 0
+    assert not (live_dir(tmp_path / "new") / "workflows.json").exists()
+
+
+def test_train_says_an_unreadable_history_is_not_carried(predictor, tmp_path, capsys):
+    from pbkv.cli.predict import _save_keeping_history
+    store_dir = save_predictor(predictor, tmp_path / "P", history=FLOWS)
+    (live_dir(store_dir) / "workflows.json").write_text("{")
+    assert _save_keeping_history(predictor, store_dir) == 0
+    assert "not carried over" in capsys.readouterr().err
+    assert load_predictor(store_dir).agents == predictor.agents
+
+
 # ---- repro 12: a dangling symlink is refused up front
 
 def test_a_dangling_symlink_is_refused_before_any_work(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,7 +11,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.cli.common import (EpochsOpt, HorizonOpt, JsonOpt, PredictorOpt, SeedOpt, TracesOpt, TrainOpt,
-                             check_horizon, check_outside, check_outputs, console, exit_on_error, fail, predictor_folder, save_json,
+                             check_horizon, check_outside, check_outputs, console, err_console, exit_on_error, fail, predictor_folder, save_json,
                              written_path)
 
 SPLIT_ADVICE = "try another --seed"   # --split is 50/50: predict-eval has no --test-fraction
@@ -29,7 +30,7 @@ def train(
     seed: SeedOpt = 0,
 ):
     """Train a workflow predictor (next K agents + survival) on traces and save it as a directory."""
-    from pbkv.predict import save_predictor, train_predictor
+    from pbkv.predict import train_predictor
     from pbkv.predict.model import VARIANTS
     from pbkv.trace import read_trace
 
@@ -42,13 +43,39 @@ def train(
             task = bar.add_task(f"training {variant}", total=None)
             p = train_predictor(traces, variant=variant, horizon=horizon, epochs=epochs, seed=seed,
                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
-        save_predictor(p, output)
+        carried = _save_keeping_history(p, output)
     info = p.info
     top1 = info.get("train_top1_k1")
     console.print(f"{info['parameters']:,} parameters, {len(p.agents)} agents, {info['samples']} samples, "
                   f"{info['epochs']} epochs, trained in {info['train_seconds']:.1f} s; train-set top-1 (k=1) "
                   f"{'n/a' if top1 is None else f'{top1:.3f}'}")
+    if carried:
+        console.print(f"kept the {carried:,} workflows servers learned from ({output}'s workflows.json) with the "
+                      f"new version: the next pbkv serve --predictor {output} starts its window with them")
     console.print(f"saved: {output}")
+
+
+def _save_keeping_history(p, output: Path) -> int:
+    """Save `p` as the next version of `output`; return how many workflows it carries over.
+    A folder a server saved into holds the workflows it learned from (`predict.history`): a
+    retrained model replaces the live one, but that history is the users' traffic and would be
+    gone two saves later, so the new version keeps it (read under the save lock). An unreadable
+    history is not carried, and said so."""
+    from pbkv.predict import save_predictor
+    from pbkv.predict.history import read_history
+    from pbkv.predict.store import has_predictor
+    if not has_predictor(output):
+        save_predictor(p, output)
+        return 0
+    try:
+        read_history(output)
+    except (OSError, ValueError) as e:
+        err_console.print(f"[yellow]warning:[/yellow] the workflows saved in {escape(str(output))} are not "
+                          f"carried over to the new version: {escape(str(e))}", soft_wrap=True)
+        save_predictor(p, output)
+        return 0
+    save_predictor(p, output, history=[], window=sys.maxsize)   # merges in the live version's, all of them
+    return len(read_history(output))
 
 
 def predict_eval(

@@ -3,8 +3,9 @@
 A server that learns online (`pbkv serve --predictor DIR`) saves, with each predictor version,
 the agents and contexts of the workflows in its learning window (`workflows.json`); the next
 server on DIR starts its window with them, so its retrains learn from every session's traffic,
-not from its own alone. A predictor saved by `pbkv train` has no such file (its traces are the
-user's) and starts with an empty window.
+not from its own alone. A predictor saved by `pbkv train` into a new folder has no such file (its
+traces are the user's) and starts with an empty window; into a folder servers saved into, its
+version carries the live version's workflows (`cli.predict._save_keeping_history`).
 
 Invariants:
 - the file is part of the version it was saved with: read from the live version only, so it
