@@ -148,3 +148,36 @@ def test_serve_without_online_learning_neither_needs_nor_does_a_write(predictor,
     assert setup.loaded and setup.history == FLOWS
     assert finish_learning(setup) is None and setup.save_error is None
     assert snapshot(store_dir) == before and versions(store_dir) == ["v000001"]
+
+
+# ---- repro 17: bench --predictor copies the live version once and records it
+
+def test_bench_workers_all_load_a_copy_of_the_version_live_when_the_run_began(predictor, tmp_path):
+    from pbkv.bench import predictors as pm
+    from pbkv.bench.main import _record_version
+    store_dir = save_predictor(predictor, tmp_path / "P")
+    source = SimpleNamespace(name="w", spec=None, trace="x.jsonl", workflows=0, seed=0)
+    out = tmp_path / "out" / "models"
+    paths = pm.prepare([source], ["lru", "pbkv"], pm.PredictorSource(predictor=str(store_dir)), out)
+    assert paths == {("w", "fused"): str(out / "predictor" / "v000001")}
+    for _ in range(3):
+        save_predictor(predictor, store_dir)                 # a server saving meanwhile: v000001 is pruned
+    assert not (store_dir / "v000001").exists() and load_predictor(paths[("w", "fused")]).agents == predictor.agents
+    records = [{"policy": "lru"}, {"policy": "pbkv"}]
+    _record_version(records, pm.version_name(paths))
+    assert records == [{"policy": "lru"}, {"policy": "pbkv", "predictor_version": "v000001"}]
+
+
+def test_bench_records_no_version_without_a_predictor_folder(predictor, tmp_path):
+    """The default bench (cached predictors, themselves versioned folders) and a flat --predictor
+    add no key: their bench.json is unchanged."""
+    from pbkv.bench import predictors as pm
+    cached = save_predictor(predictor, tmp_path / "cache")
+    assert pm.version_name({("w", "fused"): str(cached)}) is None
+    flat_dir = tmp_path / "flat"
+    flat_dir.mkdir()
+    for name in store.FLAT_FILES:
+        os.link(live_dir(cached) / name, flat_dir / name)
+    copy = pm.snapshot(str(flat_dir), tmp_path / "out")
+    assert copy == str(tmp_path / "out" / "predictor" / "flat") and load_predictor(copy)
+    assert pm.version_name({("w", "fused"): copy}) is None

@@ -107,6 +107,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         records = run_sweep(cfg, jobs=jobs, on_done=lambda r: bar.update(
             task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
                                          + (f" {r['router']}" if "router" in r else "")))
+    _record_version(records, predictors_mod.version_name(cfg.predictors))
     print_tables(records, console)
     lines = verdicts(records)
     for line in lines:
@@ -120,6 +121,18 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     plots = write_plots(records, args.out)
     console.print("results: " + "\n         ".join(map(str, [*paths, *plots])))
     return records
+
+
+def _record_version(records: list[dict], version: str | None) -> None:
+    """Add `predictor_version` to the records of runs that read --predictor's (fused) predictor:
+    bench.json says which version of a folder that keeps changing (a server saving into it) was
+    benchmarked. Nothing is added without one, so other runs' records are unchanged."""
+    from pbkv.policy.registry import needed_predictor
+    if version is None:
+        return
+    for r in records:
+        if r["policy"] != "vllm" and needed_predictor(r["policy"]) == "fused":
+            r["predictor_version"] = version
 
 
 def _bar(console: Console) -> Progress:

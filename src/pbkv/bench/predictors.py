@@ -1,7 +1,9 @@
 """Predictors for a benchmark: trained once in the main process, loaded by every worker.
 
 Where the training data comes from, in order:
-- `--predictor DIR`: a predictor saved by `pbkv train` (the "fused" variant);
+- `--predictor DIR`: a predictor saved by `pbkv train` (the "fused" variant); its live version is
+  copied once into OUT/models/predictor/ (`snapshot`), and its name is recorded as each
+  predicting run's `predictor_version`;
 - `--train FILE...`: trained on those traces (every variant the policies need);
 - a generated workload: trained on the same generator with another seed (`seed + 1`), so the
   replayed workflows are never in the training set; kept in `cache_dir()` (keyed by spec, seed,
@@ -29,6 +31,7 @@ from pbkv.predict.store import has_predictor
 # predictor of its spec (examples/bayes_policies.py); with 2,000 it is 0.782 (hover: 0.944 -> 0.946,
 # already at its bound). docs/benchmarks.md, "What limits pbkv: the predictions".
 TRAIN_WORKFLOWS = 2000
+SNAPSHOT_FILES = ("config.json", "model.safetensors", "markov.json")   # what load_predictor reads
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,19 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
     if psrc.predictor and psrc.train and set(variants) <= {"fused"}:   # not silently ignored
         raise ValueError("--train: nothing would be trained on it; --predictor gives the fused predictor, the "
                          "only one the chosen policies need (--train trains the others, e.g. pbkv-history's)")
+    given = None   # a copy of --predictor's live version, made once: every worker loads it
     if psrc.predictor and "fused" in variants:
         from pbkv.predict.predictor import load_predictor
-        load_predictor(psrc.predictor)  # a broken --predictor fails now, not after the other policies' runs
+        load_predictor(psrc.predictor)  # a broken --predictor fails now (its error names it), not after the runs
+        out.mkdir(parents=True, exist_ok=True)
+        given = snapshot(psrc.predictor, out)
+        load_predictor(given)  # the copy itself (a save may have made another version live meanwhile)
     paths: dict[tuple[str, str], str] = {}
     todo: dict[str, tuple] = {}  # folder -> (trace files or generator source, variant)
     for source in sources:
         for variant in variants:
             if psrc.predictor and variant == "fused":
-                paths[(source.name, variant)] = psrc.predictor
+                paths[(source.name, variant)] = given
                 continue
             if psrc.train:
                 folder, data = out / f"train-{variant}", tuple(psrc.train)
@@ -94,6 +101,38 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
             if progress:
                 progress(done, len(futures))
     return paths
+
+
+def snapshot(path: str, out: Path) -> str:
+    """A copy of `path`'s live version in `out/predictor/NAME` (NAME: the version, `v000004`, or
+    `flat` for a predictor without versions), made once in the main process; every worker loads
+    the copy. So a save into `path` during the run (a server's retrains) can neither give the
+    workers of one benchmark different predictors nor prune the version they load. An unreadable
+    version pointer is left for `load_predictor(path)` to name."""
+    from pbkv.predict.store import live_dir
+    try:
+        live = live_dir(path)
+    except (OSError, ValueError):
+        return path
+    name = live.name if live != Path(path) else "flat"
+    folder = out / "predictor"
+    shutil.rmtree(folder, ignore_errors=True)   # an earlier run's copy: ours to replace
+    (folder / name).mkdir(parents=True)
+    for f in SNAPSHOT_FILES:
+        if (live / f).is_file():
+            shutil.copyfile(live / f, folder / name / f)
+    return str(folder / name)
+
+
+def version_name(paths: dict) -> str | None:
+    """The version name (`v000004`) of the `--predictor` copy the runs used (`snapshot`), or None
+    (no --predictor copy, or a flat predictor, which has no versions)."""
+    from pbkv.predict.store import VERSION_NAME
+    used = {Path(p) for (_, variant), p in paths.items() if variant == "fused"}
+    if len(used) != 1:
+        return None
+    (folder,) = used
+    return folder.name if folder.parent.name == "predictor" and VERSION_NAME.fullmatch(folder.name) else None
 
 
 def cache_dir() -> Path:
