@@ -89,3 +89,41 @@ def test_markov_constructor_keeps_the_invariants():
     with pytest.raises(ValueError, match=r"field 'alpha': expected a finite number >= 0, got inf"):
         MarkovPredictor(["a"], np.zeros((3, 3)), alpha=float("inf"))
     assert MarkovPredictor(["a"], np.zeros((3, 3)), alpha=0.0).alpha == 0.0  # alpha 0: no smoothing, allowed
+
+
+def with_weights(saved: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the saved predictor whose tensors are replaced by `edit(dict of tensors)`."""
+    from safetensors.torch import load_file, save_file
+    folder = shutil.copytree(saved, tmp_path / "w")
+    path = live_dir(folder) / "model.safetensors"
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path), metadata={"format": "pbkv-predictor", "version": "1"})
+    return folder
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_weights_are_refused_naming_file_and_tensor(saved, tmp_path, value):
+    def edit(state):
+        state["head.weight"][0, 0] = value
+    folder = with_weights(saved, tmp_path, edit)
+    with pytest.raises(PredictorLoadError, match=r"model.safetensors: tensor head.weight holds 1 non-finite"):
+        load_predictor(folder)
+
+
+def test_a_weight_shape_mismatch_names_tensor_both_shapes_and_config_field(saved, tmp_path):
+    folder = shutil.copytree(saved, tmp_path / "m")
+    path = live_dir(folder) / "config.json"
+    data = json.loads(path.read_text())
+    data["model"]["features"]["buckets"] = 8
+    path.write_text(json.dumps(data))
+    with pytest.raises(PredictorLoadError, match=r"model.safetensors: tensor text.weight has shape \[4097, 32\], "
+                       r"config.json \(model.features.buckets 8, model.dim 32\) expects \[9, 32\]"):
+        load_predictor(folder)
+
+
+def test_missing_tensors_are_named(saved, tmp_path):
+    folder = with_weights(saved, tmp_path, lambda state: state.pop("text.weight"))
+    with pytest.raises(PredictorLoadError, match=r"model.safetensors: missing tensors text.weight for "
+                       r"config.json's variant 'fused'"):
+        load_predictor(folder)

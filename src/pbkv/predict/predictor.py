@@ -161,9 +161,13 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
         raise PredictorLoadError(f"{cfg_path}: invalid config ({e})") from None
     net = PredictorNet(mcfg)
     try:
-        net.load_state_dict(load_file(str(w_path)), strict=True)
+        state = load_file(str(w_path))
     except (SafetensorError, RuntimeError, OSError, ValueError) as e:
         raise PredictorLoadError(f"{w_path}: cannot load weights ({str(e).splitlines()[0]})") from None
+    problem = _state_problem(state, net, mcfg) or _non_finite(state)
+    if problem:
+        raise PredictorLoadError(f"{w_path}: {problem}")
+    net.load_state_dict(state, strict=True)
     markov = None
     if (path / "markov.json").exists():
         try:
@@ -171,6 +175,60 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
         except ValueError as e:
             raise PredictorLoadError(str(e)) from None
     return NeuralPredictor(net, agents, temp["agent"], temp["continue"], markov, info)
+
+
+# config.json fields that set each tensor's shape (by the tensor name's first part), named in a
+# shape mismatch: a hand-edited config.json or a weights file copied from another predictor.
+SHAPED_BY = {
+    "adj_out": ("n_agents",), "adj_in": ("n_agents",), "node": ("n_agents", "dim"),
+    "sage": ("graph_layers", "dim"), "pos": ("features.window", "dim"), "qkv": ("dim",),
+    "state": ("n_agents", "features.max_count", "features.max_step", "dim"),
+    "text": ("features.buckets", "dim"), "proj": ("context_dim", "dim"),
+    "mlp": ("hidden", "recent", "dim", "n_agents", "context_dim"), "head": ("horizon", "n_agents", "hidden"),
+}
+
+
+def _state_problem(state: dict, net: PredictorNet, mcfg: ModelConfig) -> str | None:
+    """What stops `state` (model.safetensors' tensors) from fitting the network config.json
+    describes, naming tensors, shapes and the config fields behind them; None when it fits.
+    torch's own message names none of these (its first line is a bare header)."""
+    expected = net.state_dict()
+    missing = [k for k in expected if k not in state]
+    extra = [k for k in state if k not in expected]
+    if missing or extra:
+        parts = [f"{label} tensors {_names(keys)}" for label, keys in (("missing", missing), ("unexpected", extra)) if keys]
+        return (f"{'; '.join(parts)} for config.json's variant {mcfg.variant!r} "
+                f"(a weights file of another variant or model?)")
+    for name, want in expected.items():
+        got = state[name]
+        if tuple(got.shape) != tuple(want.shape):
+            return (f"tensor {name} has shape {list(got.shape)}, config.json ({_fields(name, mcfg)}) "
+                    f"expects {list(want.shape)}")
+    return None
+
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def _fields(tensor: str, mcfg: ModelConfig) -> str:
+    """'model.FIELD VALUE, ...' for the config fields shaping `tensor`."""
+    out = []
+    for name in SHAPED_BY.get(tensor.split(".")[0], ()):
+        obj, attr = (mcfg.features, name.split(".")[1]) if "." in name else (mcfg, name)
+        out.append(f"model.{name} {getattr(obj, attr)}")
+    return ", ".join(out)
+
+
+def _non_finite(state: dict) -> str | None:
+    """The first floating tensor holding NaN or infinity, named, or None. A diverged training or a
+    damaged file loads fine otherwise, and NaN logits become uniform probabilities and survival 0
+    that the policy would use without a word."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            return f"tensor {name} holds {bad:,} non-finite values (NaN or infinity) of {t.numel():,}"
+    return None
 
 
 def _check_config(config) -> tuple[ModelConfig, list[str], dict, dict]:
