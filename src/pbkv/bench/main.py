@@ -92,11 +92,13 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             check_arrivals(workload.workflows, name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
+    trained = [p for p in pols if p != "vllm"]            # vLLM alone: not a pbkv policy
+    for line in check_given_predictor(args, trained):
+        console.print(line, markup=False, highlight=False)
     for note in pressure_notes(args):   # a clamped --pressure runs more memory than asked: say so
         console.print(f"note: {note}", markup=False, highlight=False)
     with _bar(console) as bar:
         task = bar.add_task("training predictors", total=None)
-        trained = [p for p in pols if p != "vllm"]        # vLLM alone: not a pbkv policy
         paths = predictors_mod.prepare(args.sources, trained, args.predictor, args.out / "models",
                                        progress=lambda done, total: bar.update(task, completed=done, total=total),
                                        jobs=args.jobs)
@@ -109,6 +111,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
                                          + (f" {r['router']}" if "router" in r else "")))
     _record_version(records, predictors_mod.version_name(cfg.predictors))
     print_tables(records, console)
+    for line in online_notes(records, args):
+        console.print(line, markup=False, highlight=False)
     lines = verdicts(records)
     for line in lines:
         console.print(line, markup=False, highlight=False)  # "[regime]" is text, not markup
@@ -133,6 +137,37 @@ def _record_version(records: list[dict], version: str | None) -> None:
     for r in records:
         if r["policy"] != "vllm" and needed_predictor(r["policy"]) == "fused":
             r["predictor_version"] = version
+
+
+def check_given_predictor(args: BenchArgs, policies: list[str]) -> list[str]:
+    """Check `--predictor DIR` before any run (its variant, --horizon against its horizon: raises
+    ValueError) and return notes on replayed agents it never saw. Nothing without --predictor, so
+    the default run prints what it printed."""
+    path = args.predictor.predictor
+    if not path or "fused" not in predictors_mod.variants_needed(policies):
+        return []
+    predictor = predictors_mod.given_predictor(path, args.horizon)
+    return predictors_mod.agent_notes(predictor, path, args.sources)
+
+
+def online_notes(records: list[dict], args: BenchArgs) -> list[str]:
+    """With --online, one note per run that used no retrain: it ran as the offline one would,
+    which its figures do not show (a retrain comes every `LEARN_EVERY` finished workflows and is
+    used only when trained on as many workflows as the predictor it would replace)."""
+    if not args.online:
+        return []
+    notes = []
+    for r in records:
+        if r.get("online_retrains") == 0:
+            unused = r.get("online_retrains_unused", 0)
+            why = (f"{unused} retrain(s) learned from fewer workflows than the predictor it started with"
+                   if unused else f"{r['workflows']} workflows finished, a retrain comes every "
+                                  f"{predictors_mod.LEARN_EVERY}")
+            cell = " ".join(str(v) for v in (r["workload"], r["policy"], f"c={r['concurrency']}", r.get("tiers"),
+                                             r.get("pressure") and f"pressure {r['pressure']}") if v)
+            notes.append(f"note: --online: {cell}: no retrain "
+                         f"was used ({why}); it ran as without --online")
+    return notes
 
 
 def _bar(console: Console) -> Progress:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pbkv.policy.registry import needed_predictor
+from pbkv.predict.online import OnlineLearner
 from pbkv.predict.store import has_predictor
 
 
@@ -60,7 +61,7 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
     given = None   # a copy of --predictor's live version, made once: every worker loads it
     if psrc.predictor and "fused" in variants:
         from pbkv.predict.predictor import load_predictor
-        load_predictor(psrc.predictor)  # a broken --predictor fails now (its error names it), not after the runs
+        given_predictor(psrc.predictor)  # a broken --predictor fails now (its error names it), not after the runs
         out.mkdir(parents=True, exist_ok=True)
         given = snapshot(psrc.predictor, out)
         load_predictor(given)  # the copy itself (a save may have made another version live meanwhile)
@@ -133,6 +134,37 @@ def version_name(paths: dict) -> str | None:
         return None
     (folder,) = used
     return folder.name if folder.parent.name == "predictor" and VERSION_NAME.fullmatch(folder.name) else None
+
+
+def given_predictor(path: str, horizon: int | None = None):
+    """The `--predictor DIR` predictor, loaded. Raises ValueError unless it is the fused variant
+    (the only one --predictor stands for: policy pbkv's; another variant would run and be reported
+    as pbkv) and, when `horizon` (--horizon) is given, predicts at least that far ahead: checked
+    before any run, not after the lru and oracle cells."""
+    from pbkv.predict.predictor import load_predictor
+    p = load_predictor(path)
+    if p.name != "fused":
+        raise ValueError(f"--predictor {path}: a {p.name} predictor (config.json variant {p.name!r}); "
+                         f"--predictor gives policy pbkv its fused predictor: train one with "
+                         f"`pbkv train --variant fused`, or give --train FILE for pbkv-{p.name}")
+    if horizon is not None and horizon > p.horizon:
+        raise ValueError(f"--horizon {horizon} exceeds the horizon {p.horizon} of --predictor {path}; "
+                         f"give --horizon {p.horizon} or less, or leave it out")
+    return p
+
+
+def agent_notes(predictor, path: str, sources) -> list[str]:
+    """One note per replayed workload with agents `predictor` (--predictor `path`) never saw, as
+    `pbkv predict-eval` prints: their calls are predicted as an unknown agent, which a policy
+    comparison would not show."""
+    from pbkv.bench.sweep import load_workload
+    from pbkv.predict.evaluate import unseen_note
+    notes = []
+    for source in sources:
+        note = unseen_note(set(predictor.agents), load_workload(source).trace)
+        if note:
+            notes.append(f"note: {source.name}: --predictor {path}: {note}")
+    return notes
 
 
 def cache_dir() -> Path:
@@ -238,10 +270,40 @@ def load(path: str):
     return _loaded[path]
 
 
-def online_learner(source, train_files: list[str], horizon: int):
-    """A learner that keeps the offline training set and adds the run's finished workflows."""
-    from pbkv.predict.online import OnlineLearner
+# --online in a replay: a retrain every this many finished workflows (a server's is --learn-every)
+LEARN_EVERY = 200
+
+
+def online_learner(source, train_files: list[str], predictor) -> ReplayLearner:
+    """A learner that keeps the offline training set and adds the run's finished workflows. It
+    retrains `predictor`'s variant at `predictor`'s horizon (a learner at another horizon would
+    silently change the run's after its first retrain), every `LEARN_EVERY` workflows, and a
+    retrain is used only when trained on as many workflows as `predictor` (or all it can reach)."""
     from pbkv.trace import read_trace
     base = [read_trace(f) for f in train_files] if train_files else (
         [training_trace(source)] if source.spec else [])
-    return OnlineLearner(base=base, horizon=horizon)
+    learner = ReplayLearner(base=base, variant=predictor.name, horizon=predictor.horizon, every=LEARN_EVERY)
+    reachable = sum(len(t.workflows()) for t in base) + learner.window.maxlen
+    learner.floor = min(predictor.info.get("workflows", 0), reachable)
+    return learner
+
+
+class ReplayLearner(OnlineLearner):
+    """`OnlineLearner` of a replay. A retrain on fewer than `floor` workflows is not used (counted
+    in `dropped`): with --predictor and no --train it learns from the replayed workflows alone,
+    and 200 of them would replace a predictor trained on thousands (a server guards the same way:
+    serve.learning.TrafficLearner). `used` counts the retrains swapped in."""
+
+    floor = 0
+    dropped = 0
+    used = 0
+
+    def poll(self):
+        predictor = super().poll()
+        if predictor is None:
+            return None
+        if predictor.info.get("workflows", 0) < self.floor:
+            self.dropped += 1
+            return None
+        self.used += 1
+        return predictor

@@ -35,6 +35,8 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine
                "prompt_tokens", "bytes_loaded", "bytes_offloaded", "prefetched_tokens", "evictions",
                "device_tokens", "host_tokens", "disk_tokens", "makespan_s", "monitor_top1",
                "monitor_baseline_top1", "trust", "retired_reuse",
+               # --online only: retrains swapped in, and those not used (trained on too few workflows)
+               "online_retrains", "online_retrains_unused",
                # real engine (--engine hf) only
                "model", "scale", "wall_seconds", "idle_skipped_seconds", "computed_tokens", "prefill_seconds",
                "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
@@ -127,7 +129,7 @@ def _run_one(args: tuple) -> dict:
                   for (name, variant), path in cfg.predictors.items() if name == source.name and variant == wanted}
     learner = None
     if cfg.online and predictors:
-        learner = predictors_mod.online_learner(source, list(cfg.train_files), cfg.horizon or 3)
+        learner = predictors_mod.online_learner(source, list(cfg.train_files), predictors[wanted])
     cache = replace(cfg.cache, device_tokens=regime.device_tokens, host_tokens=regime.host_tokens,
                     disk_tokens=regime.disk_tokens)
     run = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile(cfg.profile), cache=cache,
@@ -148,6 +150,8 @@ def _run_one(args: tuple) -> dict:
                   pressure=regime.pressure, tiers=regime.tiers)
     if cfg.samples > 1:
         record[samples_mod.SAMPLE_KEY] = sample
+    if learner is not None:   # --online only: a run without it keeps its record as it was
+        record.update(online_retrains=learner.used, online_retrains_unused=learner.dropped)
     return record
 
 

@@ -201,10 +201,12 @@ ModelOpt = Annotated[str, typer.Option(help=MODEL_HELP)]
 PredictorOpt = Annotated[Optional[Path], typer.Option(
     help="A predictor directory saved by `pbkv train` (serve: loaded at start if present, saved on shutdown).")]
 HorizonOpt = Annotated[Optional[int], typer.Option(
-    help="Prediction horizon K, steps ahead (default: the predictor's; 3 when training).")]
+    help="Prediction horizon K, steps ahead, 1 to 1,024 (default: the predictor's; 3 when training).")]
 EpochsOpt = Annotated[Optional[int], typer.Option(min=1, help="Training epochs (default: about 1,250 steps).")]
 OnlineOpt = Annotated[bool, typer.Option(
-    help="Retrain the predictor from finished workflows during the run (bench) or while serving.")]
+    help="Retrain the predictor from finished workflows during the run (bench: every 200, at the predictor's "
+         "horizon; a retrain on fewer workflows than the predictor it would replace is not used; bench.json "
+         "counts them in online_retrains) or while serving (every --learn-every).")]
 
 # ---- the real engine
 ScaleOpt = Annotated[float, typer.Option(
@@ -300,8 +302,11 @@ def one_concurrency(value: str) -> int | None:
 
 
 def check_horizon(horizon: int | None) -> None:
-    if horizon is not None and horizon < 1:
-        fail(f"--horizon: must be >= 1, got {horizon}")
+    """Exit 2 naming --horizon unless it is None or 1..MAX_HORIZON (the model's own check would
+    name its config.json field, and only after the traces were read)."""
+    from pbkv.predict.base import MAX_HORIZON
+    if horizon is not None and not 1 <= horizon <= MAX_HORIZON:
+        fail(f"--horizon: must be from 1 to {MAX_HORIZON:,}, got {horizon}")
 
 
 def check_exist(*paths: Path | None) -> None:

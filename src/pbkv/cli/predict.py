@@ -124,6 +124,7 @@ def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> tuple[l
     """(label, JSON key prefix, metrics) of a saved predictor and its Markov baseline; and the
     `unseen_note` of the scored data."""
     from pbkv.predict import evaluate, load_predictor, split_by_task
+    from pbkv.predict.evaluate import unseen_note
     from pbkv.trace import read_trace
     from pbkv.trace.transform import require_both_parts
     p = load_predictor(predictor)
@@ -142,6 +143,7 @@ def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> tuple[l
 def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> tuple[list[tuple[str, str, dict]], str | None]:
     """Train the three variants and Markov here; their metrics on the test data, and its `unseen_note`."""
     from pbkv.predict import evaluate, fit_markov, split_by_task, train_predictor
+    from pbkv.predict.evaluate import unseen_note
     from pbkv.trace import read_trace
     from pbkv.trace.transform import require_both_parts
     if train is not None and test is not None and trace is None:
@@ -164,19 +166,6 @@ def _trained_rows(trace, train, test, split, horizon, epochs, seed) -> tuple[lis
     rows.append(("markov", "markov_", evaluate(fit_markov(fit, horizon), data)))
     fits = fit if isinstance(fit, list) else [fit]   # --train: a list; --split: one half
     return rows, unseen_note({c.agent for t in fits for c in t.calls}, data)
-
-
-def unseen_note(known: set[str], data) -> str | None:
-    """A note when calls of `data` have an agent outside `known` (the agents the predictors were
-    trained on): those positions are scored as the unknown agent, so a wrong test file reads as
-    0.000 everywhere unless told. None when every agent was seen."""
-    unseen = [c.agent for c in data.calls if c.agent not in known]
-    if not unseen:
-        return None
-    names = sorted(set(unseen))
-    listed = ", ".join(names[:5]) + (f", ... ({len(names)} agents)" if len(names) > 5 else "")
-    return (f"{len(unseen)} of {len(data.calls)} positions have an agent the predictors never saw ({listed}); "
-            f"they score as an unknown agent")
 
 
 def _require_calls(data, path) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 UNK = "<unk>"  # the class of every agent the predictor does not know (on input and output)
 END = "<end>"  # the end of the workflow, as a target in training and evaluation (never in `agents`)
+MAX_HORIZON = 1024   # the longest prediction horizon a predictor may have (steps ahead; model.MODEL_RANGES)
 
 
 @dataclass

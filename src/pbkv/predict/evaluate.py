@@ -100,3 +100,16 @@ def evaluate(predictor: Predictor, trace: Trace, timing: bool = True) -> dict:
     out["nll_k1"] = float(np.mean(nll)) if pos else None
     out["us_per_call"] = time_predict(predictor, items) if timing else None
     return out
+
+
+def unseen_note(known: set[str], data) -> str | None:
+    """A note when calls of `data` have an agent outside `known` (the agents the predictors were
+    trained on): those positions are scored as the unknown agent, so a wrong test file reads as
+    0.000 everywhere unless told. None when every agent was seen."""
+    unseen = [c.agent for c in data.calls if c.agent not in known]
+    if not unseen:
+        return None
+    names = sorted(set(unseen))
+    listed = ", ".join(names[:5]) + (f", ... ({len(names)} agents)" if len(names) > 5 else "")
+    return (f"{len(unseen)} of {len(data.calls)} positions have an agent the predictors never saw ({listed}); "
+            f"they score as an unknown agent")

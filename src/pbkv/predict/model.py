@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pbkv.predict.base import MAX_HORIZON
 from pbkv.predict.features import FeatureConfig
 
 VARIANTS = ("fused", "history", "context")
 # Inclusive ranges of the integer fields. The upper bounds are far above any useful model; they
 # keep a tampered config.json's sizes small enough for `MAX_NUMBERS` to be checked without overflow.
-MODEL_RANGES = {"n_agents": (0, 100_000), "horizon": (1, 1024), "dim": (1, 4096), "hidden": (1, 65_536),
+MODEL_RANGES = {"n_agents": (0, 100_000), "horizon": (1, MAX_HORIZON), "dim": (1, 4096), "hidden": (1, 65_536),
                 "graph_layers": (0, 64), "heads": (1, 4096), "recent": (1, 4096), "context_dim": (0, 65_536)}
 FEATURE_RANGES = {"window": (1, 4096), "max_count": (0, 4096), "max_step": (0, 1 << 20), "buckets": (1, 1 << 24),
                   "max_chars": (0, 1 << 30), "max_tokens": (0, 1 << 20), "head_tokens": (0, 1 << 20),
