@@ -127,3 +127,14 @@ def test_missing_tensors_are_named(saved, tmp_path):
     with pytest.raises(PredictorLoadError, match=r"model.safetensors: missing tensors text.weight for "
                        r"config.json's variant 'fused'"):
         load_predictor(folder)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(horizon=9), r"markov.json: field 'horizon' is 9, config.json's is 3"),
+    (lambda d: d.update(agents=[f"x{i}" for i in range(len(d["agents"]))]),
+     r"markov.json: field 'agents' lacks '.*' of config.json's agents"),
+], ids=["horizon", "agents"])
+def test_a_markov_json_of_another_predictor_is_refused(saved, tmp_path, edit, message):
+    folder = edited(saved, tmp_path, "markov.json", edit)
+    with pytest.raises(PredictorLoadError, match=message):
+        load_predictor(folder)

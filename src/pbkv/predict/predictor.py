@@ -174,7 +174,25 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
             markov = MarkovPredictor.load(path / "markov.json")
         except ValueError as e:
             raise PredictorLoadError(str(e)) from None
+        problem = _markov_problem(markov, agents, mcfg.horizon)
+        if problem:
+            raise PredictorLoadError(f"{path / 'markov.json'}: {problem}")
     return NeuralPredictor(net, agents, temp["agent"], temp["continue"], markov, info)
+
+
+def _markov_problem(markov: MarkovPredictor, agents: list[str], horizon: int) -> str | None:
+    """Why `markov` is not the baseline fit with the network config.json describes, or None.
+    `train_predictor` fits both on the same workflows at one horizon: the Markov chain knows
+    every agent, the network those with enough calls, so config.json's agents are among
+    markov.json's. A markov.json copied from another predictor otherwise loads and its
+    comparison row silently scores other agents, or other steps."""
+    if markov.horizon != horizon:
+        return f"field 'horizon' is {markov.horizon}, config.json's is {horizon}"
+    missing = [a for a in agents if a not in markov.index]
+    if missing:
+        shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return f"field 'agents' lacks {shown} of config.json's agents (another predictor's baseline?)"
+    return None
 
 
 # config.json fields that set each tensor's shape (by the tensor name's first part), named in a
