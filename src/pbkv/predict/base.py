@@ -16,6 +16,7 @@ import numpy as np
 
 UNK = "<unk>"  # the class of every agent the predictor does not know (on input and output)
 END = "<end>"  # the end of the workflow, as a target in training and evaluation (never in `agents`)
+RESERVED_AGENTS = (UNK, END)   # class names of the predictor: no agent may be called so (check_agent_names)
 MAX_HORIZON = 1024   # the longest prediction horizon a predictor may have (steps ahead; model.MODEL_RANGES)
 
 
@@ -79,3 +80,16 @@ def check_prediction(p: Prediction, horizon: int | None = None, atol: float = 1e
     s = p.survival
     assert s.shape == (k,) and np.all(np.isfinite(s)) and np.all((s >= 0) & (s <= 1)), s
     assert np.all(np.diff(s) <= atol), f"survival must be non-increasing: {s}"
+
+
+def check_agent_names(traces) -> None:
+    """Raise ValueError naming the trace file, workflow and step of the first call whose agent is
+    one of `RESERVED_AGENTS`: the network would fold agent "<unk>" into its unknown class, the
+    Markov baseline would hold two classes of one name, and a policy's next-event dict would count
+    agent "<end>" and the workflow's end as one event."""
+    for t in traces:
+        for c in t.calls:
+            if c.agent in RESERVED_AGENTS:
+                where = f"{t.path}: " if getattr(t, "path", None) else ""
+                raise ValueError(f"{where}workflow {c.workflow_id!r} step {c.step}: agent name {c.agent!r} is "
+                                 f"reserved by the predictor ({', '.join(RESERVED_AGENTS)}); rename the agent")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
+from pbkv.predict.base import UNK, Prediction, check_agent_names, monotone_survival, normalise_rows
 from pbkv.trace import Trace
 from pbkv.trace.io import show_value
 
@@ -139,6 +139,7 @@ def _check_counts(counts: np.ndarray) -> None:
 def fit_markov(traces: Trace | list[Trace], horizon: int = 3, alpha: float = 1.0) -> MarkovPredictor:
     """Count START -> first agent, agent -> next agent and last agent -> END over every workflow."""
     traces = [traces] if isinstance(traces, Trace) else list(traces)
+    check_agent_names(traces)
     return fit_markov_seqs([[c.agent for c in calls] for t in traces for calls in t.workflows().values()],
                            horizon, alpha)
 

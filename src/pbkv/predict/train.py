@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pbkv.predict.base import UNK
+from pbkv.predict.base import UNK, check_agent_names
 from pbkv.predict.features import FeatureConfig, Featurizer
 from pbkv.predict.markov import fit_markov_seqs
 from pbkv.predict.model import ModelConfig, PredictorNet, transition_matrices
@@ -221,6 +221,7 @@ def train_predictor(traces: Trace | list[Trace], variant: str = "fused", horizon
 
 def _train_predictor(traces, variant, horizon, epochs, seed, progress, opt: TrainOptions) -> NeuralPredictor:
     t0 = time.perf_counter()
+    check_agent_names(_trace_list(traces))
     wfs = workflows_of(traces)
     if not wfs:
         files = [t.path for t in _trace_list(traces) if t.path]

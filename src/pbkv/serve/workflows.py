@@ -29,6 +29,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
+from pbkv.predict.base import RESERVED_AGENTS
 from pbkv.trace import DEFAULT_AGENT
 
 OTHER_AGENT = "other"   # the agent of every call whose new name exceeds `max_agents`
@@ -97,9 +98,13 @@ class WorkflowTable:
         return run, step, new
 
     def _agent(self, agent: str | None) -> str:
-        """The agent name a call gets: at most `max_agents` distinct client names are kept."""
+        """The agent name a call gets: at most `max_agents` distinct client names are kept, and a
+        name the predictor reserves ("<unk>", "<end>") is put in parentheses ("(<end>)"): as is,
+        it would be the predictor's unknown class or the end of the workflow."""
         if agent is None:
             return DEFAULT_AGENT
+        if agent in RESERVED_AGENTS:
+            agent = f"({agent})"
         if agent not in self.agents:
             if len(self.agents) >= self.max_agents:
                 return OTHER_AGENT
