@@ -125,3 +125,19 @@ def test_horizon_out_of_range_names_the_option(command, horizon, tmp_path):
     r = CliRunner().invoke(app, [*map(str, command + out), "--horizon", str(horizon)])
     said = " ".join(r.output.split())
     assert r.exit_code == 2 and f"--horizon: must be from 1 to 1,024, got {horizon}" in said, said
+
+
+def test_a_damaged_cache_entry_names_the_cache_and_says_to_delete_it(saved, tmp_path, monkeypatch):
+    import shutil
+    from pbkv.predict.store import live_dir
+    monkeypatch.setenv("PBKV_CACHE", str(tmp_path / "cache"))
+    entry = shutil.copytree(saved["fused"], tmp_path / "cache" / "predictors" / "w-damaged")
+    weights = live_dir(entry) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:2000])
+    with pytest.raises(ValueError, match=rf"is bench's cached predictor, kept under \$PBKV_CACHE={tmp_path}/cache: "
+                                         r"delete that folder and the next bench trains it again"):
+        predictors.load(str(entry))
+    outside = shutil.copytree(entry, tmp_path / "mine")
+    with pytest.raises(ValueError) as e:
+        predictors.load(str(outside))
+    assert "cached" not in str(e.value)

@@ -266,8 +266,26 @@ def load(path: str):
     from pbkv.predict.predictor import load_predictor
     torch.set_num_threads(1)
     if path not in _loaded:
-        _loaded[path] = load_predictor(path)
+        try:
+            _loaded[path] = load_predictor(path)
+        except ValueError as e:   # PredictorLoadError
+            raise type(e)(f"{e}{_cache_advice(path)}") from None
     return _loaded[path]
+
+
+def _cache_advice(path: str) -> str:
+    """For a predictor in bench's cache: what it is and how to get a sound one (a damaged entry
+    would otherwise fail every later bench of its workload the same way); else ''."""
+    cache = cache_dir() / "predictors"
+    try:
+        inside = Path(path).resolve().parent == cache.resolve()
+    except OSError:
+        return ""
+    if not inside:
+        return ""
+    where = f"$PBKV_CACHE={cache_dir()}" if os.environ.get("PBKV_CACHE") else str(cache_dir())
+    return (f" ({path} is bench's cached predictor, kept under {where}: delete that folder and the next "
+            f"bench trains it again)")
 
 
 # --online in a replay: a retrain every this many finished workflows (a server's is --learn-every)
