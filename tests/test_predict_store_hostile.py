@@ -181,3 +181,15 @@ def test_bench_records_no_version_without_a_predictor_folder(predictor, tmp_path
     copy = pm.snapshot(str(flat_dir), tmp_path / "out")
     assert copy == str(tmp_path / "out" / "predictor" / "flat") and load_predictor(copy)
     assert pm.version_name({("w", "fused"): copy}) is None
+
+
+def test_an_earlier_runs_copy_given_back_as_predictor_is_used_not_deleted(predictor, tmp_path):
+    """bench.json names the version a run used and its copy lies in OUT/models/predictor/; given
+    back as --predictor with the same --out, the copy was deleted before being copied (every
+    file gone, then a load error naming an empty folder)."""
+    from pbkv.bench import predictors as pm
+    store_dir = save_predictor(predictor, tmp_path / "P")
+    out = tmp_path / "out" / "models"
+    first = pm.snapshot(str(store_dir), out)
+    again = pm.snapshot(first, out)
+    assert again == first and load_predictor(again).agents == predictor.agents

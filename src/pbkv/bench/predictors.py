@@ -117,12 +117,20 @@ def snapshot(path: str, out: Path) -> str:
         return path
     name = live.name if live != Path(path) else "flat"
     folder = out / "predictor"
+    if _within(live, folder):   # an earlier run's copy given back as --predictor: it is one already
+        return str(live)
     shutil.rmtree(folder, ignore_errors=True)   # an earlier run's copy: ours to replace
     (folder / name).mkdir(parents=True)
     for f in SNAPSHOT_FILES:
         if (live / f).is_file():
             shutil.copyfile(live / f, folder / name / f)
     return str(folder / name)
+
+
+def _within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it (symlinks resolved)."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
 
 
 def version_name(paths: dict) -> str | None:
