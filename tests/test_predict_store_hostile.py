@@ -50,10 +50,14 @@ def test_a_folder_inside_a_store_is_refused_and_the_live_version_kept(predictor,
     before = snapshot(store_dir)
     (tmp_path / "link").symlink_to(store_dir / "v000002")
     for target in (store_dir / "v000002", store_dir / "v000001", store_dir / "v000002" / "sub",
-                   store_dir / "new", tmp_path / "link"):
-        with pytest.raises(ValueError, match=f"inside the predictor folder {store_dir} .*give {store_dir} itself"):
+                   store_dir / "v000007", tmp_path / "link", store_dir / "v000002" / ".." / "v000001"):
+        with pytest.raises(ValueError, match=f"inside a version folder of the predictor folder {store_dir}; "
+                                             f".*give {store_dir} itself"):
             check_target(target)
-    with pytest.raises(ValueError, match="inside the predictor folder"):
+    # beside a version, or beside the store written with `..`: not inside a version (hostile14 repro 2, 6)
+    for target in (store_dir / "results", store_dir / "v000002" / ".." / "other", store_dir / ".." / "Q"):
+        check_target(target)
+    with pytest.raises(ValueError, match="inside a version folder"):
         save_predictor(predictor, store_dir / "v000002")
     assert snapshot(store_dir) == before and load_predictor(store_dir).agents == predictor.agents
 
@@ -70,7 +74,7 @@ def test_train_and_serve_refuse_a_version_folder_before_any_work(predictor, tmp_
     store_dir = save_predictor(predictor, tmp_path / "P")
     r = CliRunner().invoke(app, ["train", "--trace", TRACE, "-o", str(store_dir / "v000001"), "--epochs", "1"])
     assert r.exit_code == 2 and f"give {store_dir} itself" in flat(r.output)
-    with pytest.raises(ValueError, match="inside the predictor folder.*--no-online"):
+    with pytest.raises(ValueError, match="inside a version folder.*--no-online"):
         build_policy("pbkv", 16, predictor_dir=store_dir / "v000001", online=True)
     # serving an older version read-only (a rollback without editing CURRENT) is fine: nothing is saved
     setup = build_policy("pbkv", 16, predictor_dir=store_dir / "v000001", online=False)

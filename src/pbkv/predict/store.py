@@ -19,10 +19,11 @@ Invariants:
   by hand at an older version) the next save keeps the version rolled back to, not a higher
   numbered one. With no previous live version (a first save), the newest older version is kept
   instead (a first save killed before its pointer left it complete);
-- a save never runs inside another predictor folder: a target that is `DIR/v000003` (or any
-  folder under a folder whose `CURRENT` names a version) is refused, since migrating its flat
-  files would delete the live version of DIR; `_prune` also never removes the files of a folder
-  its parent's `CURRENT` names;
+- a save never runs inside a version folder of a predictor folder: a target that is
+  `DIR/v000003` or lies below it (where `DIR/CURRENT` names a version) is refused, since
+  migrating its flat files would delete the live version of DIR (and a version's prune would
+  take a predictor saved below it along); other folders under DIR are allowed; `_prune` also
+  never removes the files of a folder its parent's `CURRENT` names;
 - saves never interleave (`DIR/.lock`): two unlocked saves could each prune the other's
   version, leaving `CURRENT` naming a removed folder;
 - a directory without `CURRENT` is one flat version (the layout before versioning); the first
@@ -97,8 +98,8 @@ def check_target(path: str | Path) -> None:
     path = Path(path)
     store = enclosing_store(path)
     if store is not None:
-        raise ValueError(f"{path} is inside the predictor folder {store} (its versions are kept there); "
-                         f"a save there would delete files of {store}'s live version: give {store} itself")
+        raise ValueError(f"{path} is inside a version folder of the predictor folder {store}; a save there "
+                         f"would delete or lose files of {store}'s versions: give {store} itself")
     if not path.exists():
         _check_new(path)
         return
@@ -135,14 +136,18 @@ def _check_new(path: Path) -> None:
 
 
 def enclosing_store(path: str | Path) -> Path | None:
-    """The versioned predictor folder `path` lies inside (a folder above it whose `CURRENT` names a
-    version holding a predictor), or None. Both the path as given and its resolved form (a symlink
-    into a store) are checked."""
+    """The versioned predictor folder whose version folder `path` is or lies inside (`STORE/v000003`
+    or below, where `STORE/CURRENT` names a version holding a predictor), or None. A save there
+    would migrate or prune that version's files, or be pruned with it. Other folders under a
+    store (`STORE/results`) are not inside a version. Both the path as written, with `..` folded
+    (`STORE/../other` is beside STORE), and its resolved form (a symlink into a store) are checked."""
     path = Path(path)
-    for form in (path.absolute(), path.resolve()):
-        for above in form.parents:
-            if (above / POINTER).is_file() and _saved_predictor(above):
-                return above
+    for form in (Path(os.path.normpath(path.absolute())), path.resolve()):
+        for version in (form, *form.parents):
+            store = version.parent
+            if (VERSION_NAME.fullmatch(version.name) and (store / POINTER).is_file()
+                    and _saved_predictor(store)):
+                return store
     return None
 
 
