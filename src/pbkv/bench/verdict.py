@@ -75,11 +75,11 @@ def _segment(c: dict, subject: str) -> str:
         text += f", {c['subject'] / c['peer_speedup']:.2f}x the best peer ({c['peer']})"
     oracle = c["oracle"]
     if oracle is not None:
-        if _shown_gain(oracle) >= MIN_ORACLE_GAIN:
+        if oracle - 1.0 >= MIN_ORACLE_GAIN:
             share = (c["subject"] - 1.0) / (oracle - 1.0)
             text += f", {100 * share:.0f}% of the oracle's gain ({oracle:.2f}x)"
-        else:
-            text += f", the oracle gains nothing here ({oracle:.2f}x)"
+        else:   # four decimals: at two, 1.0159 would print as a 2% gain beside words saying less
+            text += f", the oracle gains under {100 * MIN_ORACLE_GAIN:.0f}% here ({oracle:.4f}x)"
     where = [_tiers_words(r)]
     if r.get("pressure"):
         where.append(f"pressure {r['pressure']:g}")
@@ -87,13 +87,6 @@ def _segment(c: dict, subject: str) -> str:
     if r.get("router") is not None:
         where.append(f"router {r['router']}, {r.get('instances')} instances")
     return f"{text} [{', '.join(where)}]"
-
-
-def _shown_gain(speedup: float) -> float:
-    """The gain over LRU as the line prints it (two decimals). Invariant: the line says "gains
-    nothing" exactly when the printed speedup is below 1 + MIN_ORACLE_GAIN (an unrounded 1.0159
-    printed as "1.02x" is a 2% gain, not "nothing")."""
-    return round(round(speedup, 2) - 1.0, 2)   # the outer round drops float residue (1.02 - 1 > 0.02)
 
 
 def _tiers_words(r: dict) -> str:
