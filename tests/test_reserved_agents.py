@@ -39,3 +39,17 @@ def test_a_served_reserved_agent_name_is_put_in_parentheses(name):
     table = WorkflowTable()
     run, _, _ = table.begin(Hints("w", name), 0.0)
     assert run.agents == [f"({name})"]
+
+
+def test_bench_refuses_a_replayed_reserved_agent_name_before_any_run(tmp_path):
+    """Before: `bench --online` died at its first retrain, naming a workflow 'online-0' that is in
+    no file, and `bench --predictor` replayed agent "<end>" as the workflow's end (hostile14)."""
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    path = renamed(tmp_path, "<end>")
+    args = ["bench", "--trace", str(path), "--concurrency", "2", "--device-tokens", "4000", "--out", str(tmp_path / "o")]
+    r = CliRunner().invoke(app, [*args, "--policies", "pbkv"])
+    assert r.exit_code == 2 and "t.jsonl: workflow 'chatdev-a' step 0: agent name '<end>' is reserved" in r.output
+    assert not (tmp_path / "o").exists()
+    assert "reserved" not in CliRunner().invoke(app, [*args, "--policies", "kvflow"]).output   # no predictor: fine

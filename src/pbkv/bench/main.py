@@ -17,6 +17,7 @@ from pbkv.bench.sweep import SweepConfig, check_names, load_workload, pressure_n
 from pbkv.driver.replay import check_arrivals
 from pbkv.engine.profiles import load_profile
 from pbkv.policy.registry import policy_class
+from pbkv.predict.base import check_agent_names
 
 ABLATION = ["lru", "kvflow", "pbkv-retired", "pbkv-noprefetch", "pbkv-history", "pbkv-context", "pbkv", "oracle"]
 
@@ -84,10 +85,13 @@ def check_routers(args: BenchArgs) -> None:
 def run(args: BenchArgs, console: Console) -> list[dict]:
     pols = check(args)
     check_names(args.sources)
+    predicting = bool(predictors_mod.variants_needed([p for p in pols if p != "vllm"]))
     for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
         workload, name = load_workload(s), s.trace or s.name
         if not workload.workflows:
             raise ValueError(f"{name}: no calls to replay")
+        if predicting:   # an agent "<end>" would be the workflow's end to the policy (and crash --online's retrain)
+            check_agent_names([workload.trace])
         if None in args.concurrency and args.engine != "vllm":
             check_arrivals(workload.workflows, name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
