@@ -372,6 +372,11 @@ def test_a_first_calls_tool_wait_is_written_as_a_later_timestamp_and_noted(tmp_p
                for n in report.notes)
     back, _ = import_trace("agentic-mooncake", tmp_path / "o.jsonl", source_block_size=16)
     assert [(c.t, c.tool_wait) for c in back.calls] == [(32.0, None), (None, 2.0)]   # issued at the same times
+    untimed = jsonl(tmp_path / "u.jsonl", [call(0, tool_wait=2.5), call(1)])   # no t: the note said "at timestamp 0"
+    report = export_file("agentic-mooncake", untimed, tmp_path / "u.out.jsonl")
+    assert json.loads((tmp_path / "u.out.jsonl").read_text().splitlines()[0])["timestamp"] == 2500.0
+    assert "1 workflows have no arrival time `t`: their first rows start at timestamp 0 (plus the first call's " \
+           "tool_wait, if any)" in report.notes
 
 
 def test_a_first_rows_delay_is_not_kept_and_the_import_says_so(tmp_path):

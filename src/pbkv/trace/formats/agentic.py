@@ -313,7 +313,8 @@ def write(trace: Trace, f: IO[str]) -> ExportReport:
         report.rows += 1
     report.workflows = len({c.workflow_id for c in trace.calls})
     if untimed:
-        report.notes.append(f"{untimed} workflows have no arrival time `t`: their first rows start at timestamp 0")
+        report.notes.append(f"{untimed} workflows have no arrival time `t`: their first rows start at timestamp 0 "
+                            f"(plus the first call's tool_wait, if any)")
     if first_waits:
         report.notes.append(f"{first_waits} workflows' first call has a tool_wait: written as a later `timestamp` "
                             f"of its row (Dynamo waits `delay`/`tool_wait_ms` only after a row's dependencies, "
