@@ -248,6 +248,25 @@ def test_failed_loads_reach_the_shadow_through_update_connector_output(tmp_path)
         PBKVConnector.build_kv_connector_stats({"load_failed": 1})).reduce() == {"load_failed": 3}
 
 
+def test_worker_counters_rewrite_the_stats_file_only_on_a_failure_or_when_idle(tmp_path):
+    """Before: every step whose worker saved a block rewrote the stats file (a file write per step
+    on the scheduler's hot path); now only a failure, or gains with no request left, write it."""
+    from vllm.v1.outputs import KVConnectorOutput
+    path = tmp_path / "s.json"
+    s = make(KVConnectorRole.SCHEDULER, stats_path=str(path))
+    r = request("a", 2)
+    s.get_num_new_matched_tokens(r, 0)
+    gains = lambda **data: KVConnectorOutput(kv_connector_stats=PBKVConnector.build_kv_connector_stats(data))
+    s.update_connector_output(gains(saved_blocks=3))
+    assert not path.exists()                                   # a request runs: at its end
+    s.update_connector_output(gains(write_failed=1))
+    assert json.loads(path.read_text())["worker"] == {**json.loads(path.read_text())["worker"],
+                                                      "saved_blocks": 3, "write_failed": 1}
+    s.request_finished(r, [])
+    s.update_connector_output(gains(saved_blocks=2))          # the last step's saves, after its end
+    assert json.loads(path.read_text())["worker"]["saved_blocks"] == 5
+
+
 def test_stats_path_write_failures_never_reach_vllm(tmp_path, caplog):
     d = tmp_path / "stats"
     d.mkdir()

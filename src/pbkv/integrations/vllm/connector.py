@@ -59,6 +59,9 @@ class PBKVMeta(KVConnectorMetadata):
     plan: Plan
 
 
+FAILURE_COUNTERS = ("write_failed", "load_failed", "corrupt", "missing", "shared_failed")   # of store.StoreStats
+
+
 @dataclass
 class WorkerStats(KVConnectorStats):
     """The worker stores' counters (`store.StoreStats`) gained since the last report, summed over
@@ -197,7 +200,11 @@ class PBKVConnector(KVConnectorBase_V1):
             for name, value in gained.items():
                 if name in self._worker_totals and isinstance(value, int):
                     self._worker_totals[name] += value
-            if self.config.stats_path is not None:   # a failure may come after the last request ends
+            # written now when a failure came, or no request is left (the last step's saves come
+            # after its request ended); else at the next request's end: a file rewrite per step
+            # would sit on the scheduler's hot path
+            urgent = any(gained.get(k) for k in FAILURE_COUNTERS) or not self.shadow.reqs
+            if self.config.stats_path is not None and urgent:
                 self._write_stats(self.config.stats_path)
 
     def get_kv_connector_stats(self) -> WorkerStats | None:
