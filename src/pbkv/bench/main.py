@@ -85,7 +85,8 @@ def check_routers(args: BenchArgs) -> None:
 def run(args: BenchArgs, console: Console) -> list[dict]:
     pols = check(args)
     check_names(args.sources)
-    predicting = bool(predictors_mod.variants_needed([p for p in pols if p != "vllm"]))
+    trained = [p for p in pols if p != "vllm"]            # vLLM alone: not a pbkv policy
+    predicting = bool(predictors_mod.variants_needed(trained))
     for s in args.sources:         # fail fast on a bad spec or trace, before any worker starts
         workload, name = load_workload(s), s.trace or s.name
         if not workload.workflows:
@@ -96,7 +97,6 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             check_arrivals(workload.workflows, name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
-    trained = [p for p in pols if p != "vllm"]            # vLLM alone: not a pbkv policy
     for line in check_given_predictor(args, trained):
         console.print(line, markup=False, highlight=False)
     for note in pressure_notes(args):   # a clamped --pressure runs more memory than asked: say so

@@ -60,11 +60,11 @@ def prepare(sources, policies: list[str], psrc: PredictorSource, out: Path, prog
                          "only one the chosen policies need (--train trains the others, e.g. pbkv-history's)")
     given = None   # a copy of --predictor's live version, made once: every worker loads it
     if psrc.predictor and "fused" in variants:
-        from pbkv.predict.predictor import load_predictor
-        given_predictor(psrc.predictor)  # a broken --predictor fails now (its error names it), not after the runs
         out.mkdir(parents=True, exist_ok=True)
         given = snapshot(psrc.predictor, out)
-        load_predictor(given)  # the copy itself (a save may have made another version live meanwhile)
+        # the copy the workers load, checked now, not after the runs (`pbkv bench` checked the
+        # folder itself first, naming it; a save may have made another version live since)
+        given_predictor(given)
     paths: dict[tuple[str, str], str] = {}
     todo: dict[str, tuple] = {}  # folder -> (trace files or generator source, variant)
     for source in sources:
@@ -117,7 +117,7 @@ def snapshot(path: str, out: Path) -> str:
         return path
     name = live.name if live != Path(path) else "flat"
     folder = out / "predictor"
-    if _within(live, folder):   # an earlier run's copy given back as --predictor: it is one already
+    if live.resolve().is_relative_to(folder.resolve()):   # an earlier run's copy given back: one already
         return str(live)
     shutil.rmtree(folder, ignore_errors=True)   # an earlier run's copy: ours to replace
     (folder / name).mkdir(parents=True)
@@ -125,12 +125,6 @@ def snapshot(path: str, out: Path) -> str:
         if (live / f).is_file():
             shutil.copyfile(live / f, folder / name / f)
     return str(folder / name)
-
-
-def _within(path: Path, folder: Path) -> bool:
-    """Whether `path` is `folder` or lies inside it (symlinks resolved)."""
-    path, folder = Path(path).resolve(), Path(folder).resolve()
-    return path == folder or folder in path.parents
 
 
 def version_name(paths: dict) -> str | None:
