@@ -37,7 +37,6 @@ notes and other keys; a metadata `workload` is written on every row without its 
 from __future__ import annotations
 
 import heapq
-import itertools
 import json
 from typing import IO, Callable
 
@@ -193,11 +192,11 @@ def _steps(parsed: list[dict], sessions: list[str], report: ImportReport) -> dic
         moved += sum(any(d > i for d in waiting[i]) for i in rows)
         ready = [i for i in rows if not waiting[i]]   # file indices: a heap gives file order
         heapq.heapify(ready)
-        for step in itertools.count():
-            if not ready:
-                break
+        step = 0
+        while ready:
             i = heapq.heappop(ready)
             place[parsed[i]["request_id"]] = (session, step)
+            step += 1
             for u in users.get(i, ()):
                 waiting[u].discard(i)
                 if not waiting[u]:
