@@ -3,6 +3,8 @@ refused before any work (exit 2), as `pbkv bench` refuses a missing one."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import pbkv.bench.perf
@@ -39,3 +41,14 @@ def test_perf_refuses_a_predictor_the_policy_does_not_use(tmp_path, no_work, com
 def test_perf_refuses_an_unknown_policy_with_one_line(tmp_path, no_work):
     r = invoke("perf", "sim", "--policy", "nope", "--predictor", tmp_path)
     assert r.exit_code == 2 and "unknown policy 'nope'" in flat(r.output) and "Traceback" not in r.output
+
+
+def test_perf_refuses_a_predictor_of_another_variant_than_the_policy_reads(tmp_path):
+    """A context predictor given to policy pbkv (fused) would be measured as pbkv's."""
+    from pbkv.predict import save_predictor, train_predictor
+    from pbkv.trace import read_trace
+    trace = read_trace(Path(__file__).parent / "data" / "chatdev-mini.jsonl")
+    saved = save_predictor(train_predictor(trace, variant="context", horizon=2, epochs=1, seed=0), tmp_path / "ctx")
+    r = invoke("perf", "evict", "--nodes", 1100, "--policy", "pbkv", "--predictor", saved)
+    assert r.exit_code == 2, r.output
+    assert "a context predictor (config.json variant 'context'); policy pbkv needs a fused one" in flat(r.output)

@@ -290,3 +290,9 @@ def test_the_helper_recomputes_failed_loads_and_fail_is_warned_about(caplog):
                               cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(rank=0))
         PBKVConnector(cfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=16))
     assert [m for m in caplog.messages if "kv_load_failure_policy is 'fail'" in m]
+
+
+def test_a_predictor_dir_the_policy_does_not_read_is_refused(tmp_path):
+    """Loaded and silently unused before: the figures would read as a predicting policy's."""
+    with pytest.raises(ValueError, match=r"predictor_dir '.*' given, but policy 'lru' uses no predictor"):
+        make(KVConnectorRole.SCHEDULER, predictor_dir=str(tmp_path))

@@ -48,7 +48,12 @@ def _predictors(policy: str, predictor: str | None) -> dict:
     variant = needed_predictor(policy)
     if variant and not predictor:
         raise ValueError(f"{policy} needs a predictor: pass --predictor DIR (saved by `pbkv train`)")
-    return {variant: load(predictor)} if variant else {}
+    if not variant:
+        return {}
+    from pbkv.predict.base import require_variant
+    loaded = load(predictor)
+    require_variant(loaded, variant, policy, f"--predictor {predictor}")
+    return {variant: loaded}
 
 
 AGENTS = ["a0", "a1", "a2", "a3", "a4"]

@@ -143,12 +143,10 @@ def given_predictor(path: str, horizon: int | None = None):
     (the only one --predictor stands for: policy pbkv's; another variant would run and be reported
     as pbkv) and, when `horizon` (--horizon) is given, predicts at least that far ahead: checked
     before any run, not after the lru and oracle cells."""
+    from pbkv.predict.base import require_variant
     from pbkv.predict.predictor import load_predictor
     p = load_predictor(path)
-    if p.name != "fused":
-        raise ValueError(f"--predictor {path}: a {p.name} predictor (config.json variant {p.name!r}); "
-                         f"--predictor gives policy pbkv its fused predictor: train one with "
-                         f"`pbkv train --variant fused`, or give --train FILE for pbkv-{p.name}")
+    require_variant(p, "fused", "pbkv", f"--predictor {path}", f", or give --train FILE for pbkv-{p.name}")
     if horizon is not None and horizon > p.horizon:
         raise ValueError(f"--horizon {horizon} exceeds the horizon {p.horizon} of --predictor {path}; "
                          f"give --horizon {p.horizon} or less, or leave it out")

@@ -20,6 +20,16 @@ RESERVED_AGENTS = (UNK, END)   # class names of the predictor: no agent may be c
 MAX_HORIZON = 1024   # the longest prediction horizon a predictor may have (steps ahead; model.MODEL_RANGES)
 
 
+
+def require_variant(predictor, variant: str, policy: str, source: str, hint: str = "") -> None:
+    """Raise ValueError unless `predictor` (named `source` in the message) is the `variant` that
+    `policy` reads: another variant would run, be reported as that policy's, and an online retrain
+    (of `variant`) would silently replace it. The one check bench, perf, serve and the vLLM
+    connector make; `hint` adds the caller's other way out."""
+    if predictor.name != variant:
+        raise ValueError(f"{source}: a {predictor.name} predictor (config.json variant {predictor.name!r}); "
+                         f"policy {policy} needs a {variant} one (`pbkv train --variant {variant}`){hint}")
+
 @dataclass
 class Prediction:
     """K-step agent distributions (given alive) and survival for one running workflow."""

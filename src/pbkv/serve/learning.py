@@ -36,6 +36,7 @@ import numpy as np
 
 from pbkv.policy import PolicyContext
 from pbkv.policy.registry import make_policy, needed_predictor, needs_future
+from pbkv.predict.base import require_variant
 from pbkv.predict.history import read_history
 from pbkv.predict.online import OnlineLearner
 from pbkv.predict.store import check_target, has_predictor, live_dir
@@ -241,7 +242,7 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
     if variant is not None:
         if predictor_dir is not None and has_predictor(predictor_dir):
             predictors[variant], history = load_with_history(predictor_dir)
-            check_variant(predictors[variant], variant, name, predictor_dir)
+            require_variant(predictors[variant], variant, name, f"--predictor {predictor_dir}")
             loaded, horizon = True, predictors[variant].horizon
         else:
             predictors[variant] = empty_markov(horizon)
@@ -269,15 +270,6 @@ def check_saving_target(predictor_dir: Path) -> None:
     except ValueError as e:
         raise ValueError(f"{e} (pbkv serve saves what it learns to --predictor; pass --no-online to serve "
                          f"it read-only, or copy it to a writable folder)") from None
-
-
-def check_variant(predictor, variant: str, policy: str, predictor_dir: Path) -> None:
-    """Raise ValueError unless the loaded predictor is the variant `policy` reads: another one
-    would serve as this policy's and its retrains (of `variant`) would silently replace it."""
-    if predictor.name != variant:
-        raise ValueError(f"--predictor {predictor_dir}: a {predictor.name} predictor (config.json variant "
-                         f"{predictor.name!r}); policy {policy} needs a {variant} one "
-                         f"(`pbkv train --variant {variant}`)")
 
 
 def load_with_history(predictor_dir: Path):

@@ -50,6 +50,8 @@ from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
 from pbkv.integrations.vllm.shared import SharedBlocks, instance_identity, key_problem  # noqa: E402
 from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
 from pbkv.integrations.vllm.store import BlockStore, StoreStats  # noqa: E402
+from pbkv.policy.registry import needed_predictor  # noqa: E402
+from pbkv.predict.base import require_variant  # noqa: E402
 
 log = logging.getLogger("pbkv.vllm")
 
@@ -139,9 +141,14 @@ class PBKVConnector(KVConnectorBase_V1):
         predictor_dir = config.predictor_dir
         policy = config.policy or ("pbkv" if predictor_dir else "lru")
         predictors = {}
+        variant = needed_predictor(policy)
+        if predictor_dir and not variant:   # else it would be loaded and silently unused
+            raise ValueError(f"pbkv connector: predictor_dir {predictor_dir!r} given, but policy {policy!r} "
+                             f"uses no predictor (the pbkv policies do)")
         if predictor_dir:
             from pbkv.predict.predictor import load_predictor  # not bench's: it pins torch to 1 thread
-            predictors = {"fused": load_predictor(predictor_dir)}
+            predictors = {variant: load_predictor(predictor_dir)}
+            require_variant(predictors[variant], variant, policy, f"pbkv connector: predictor_dir {predictor_dir!r}")
         asked = CacheConfig(config.device_tokens, config.host_tokens, config.disk_tokens)
         caps = asked.resolve(CapacityDefaults(max(self.num_blocks - 1, 1) * self.block_size, host_ratio=4))
         shadow = Shadow(self.block_size, caps, policy, predictors)
