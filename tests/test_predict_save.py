@@ -136,6 +136,7 @@ def test_flat_directory_loads_and_the_first_versioned_save_replaces_it(predictor
     flat.mkdir()
     for f in live_dir(predictor_a).iterdir():
         (flat / f.name).write_bytes(f.read_bytes())
+    (flat / "workflows.json").write_text('{"format": 1, "workflows": []}')   # saved with a history
     assert has_predictor(flat) and live_dir(flat) == flat
     assert load_predictor(flat).info["gen"] == "A"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -170,8 +171,9 @@ def test_a_folder_of_other_files_is_refused_and_left_as_it_was(predictor_a, tmp_
 
 
 def test_the_flat_format_name_is_the_predictors():
-    from pbkv.predict import predictor, store
+    from pbkv.predict import history, predictor, store
     assert store.FLAT_FORMAT == predictor.FORMAT
+    assert history.FILE in store.FLAT_FILES and store.FLAT_FILES[-1] == "config.json"
 
 
 def test_train_refuses_a_folder_of_other_files_before_training(tmp_path):

@@ -180,8 +180,8 @@ def test_bench_records_no_version_without_a_predictor_folder(predictor, tmp_path
     assert pm.version_name({("w", "fused"): str(cached)}) is None
     flat_dir = tmp_path / "flat"
     flat_dir.mkdir()
-    for name in store.FLAT_FILES:
-        os.link(live_dir(cached) / name, flat_dir / name)
+    for f in live_dir(cached).iterdir():
+        os.link(f, flat_dir / f.name)
     copy = pm.snapshot(str(flat_dir), tmp_path / "out")
     assert copy == str(tmp_path / "out" / "predictor" / "flat") and load_predictor(copy)
     assert pm.version_name({("w", "fused"): copy}) is None

@@ -57,7 +57,9 @@ POINTER = "CURRENT"
 VERSION_NAME = re.compile(r"v(\d{6,})")
 STALE = r"(\.v\d+\.tmp|CURRENT\.tmp)(?P<pid>\d+)"
 LOCK = ".lock"
-FLAT_FILES = ("model.safetensors", "markov.json", "config.json")  # config.json last: see _prune
+# workflows.json is history.FILE (history imports this module); a save merges it into the new
+# version first (history.merge_with_live reads the live folder, here the flat one)
+FLAT_FILES = ("model.safetensors", "markov.json", "workflows.json", "config.json")  # config.json last: see _prune
 FLAT_FORMAT = "pbkv-predictor"               # config.json's "format" (predictor.FORMAT)
 
 
