@@ -92,7 +92,7 @@ def test_a_retrain_on_fewer_workflows_than_the_predictor_is_not_used():
 def test_bench_online_records_retrains_and_notes_when_none_was_used(saved, tmp_path):
     code, said = bench("--trace", TRACE, "--predictor", saved["fused"], "--policies", "pbkv", "--online",
                        "--pressure", "0.5", "--tiers", "device", "--out", tmp_path)
-    assert code == 0 and "note: --online: chatdev-mini pbkv c=64 device pressure 0.5: no retrain was used " \
+    assert code == 0 and "note: --online: chatdev-mini pbkv c=64 (device pressure 0.5): no retrain was used " \
                          "(3 workflows finished, a retrain comes every 200)" in said, said
     records = json.loads((tmp_path / "bench.json").read_text())
     assert [r.get("online_retrains") for r in records] == [None, 0, None]   # lru, pbkv, oracle
@@ -141,3 +141,15 @@ def test_a_damaged_cache_entry_names_the_cache_and_says_to_delete_it(saved, tmp_
     with pytest.raises(ValueError) as e:
         predictors.load(str(outside))
     assert "cached" not in str(e.value)
+
+
+def test_online_notes_name_each_cell_once_with_its_regimes():
+    base = {"workload": "w", "policy": "pbkv", "concurrency": 8, "workflows": 20, "online_retrains": 0}
+    records = [base | {"tiers": "device", "pressure": 0.05}, base | {"tiers": "device+host", "pressure": 0.05},
+               base | {"concurrency": 16, "tiers": "device", "pressure": 0.05}]
+    args = type("Args", (), {"online": True})()
+    assert online_notes(records, args) == [
+        "note: --online: w pbkv c=8 (device pressure 0.05, device+host pressure 0.05): no retrain was used "
+        "(20 workflows finished, a retrain comes every 200); it ran as without --online",
+        "note: --online: w pbkv c=16 (device pressure 0.05): no retrain was used (20 workflows finished, a "
+        "retrain comes every 200); it ran as without --online"]

@@ -155,22 +155,28 @@ def check_given_predictor(args: BenchArgs, policies: list[str]) -> list[str]:
 
 
 def online_notes(records: list[dict], args: BenchArgs) -> list[str]:
-    """With --online, one note per run that used no retrain: it ran as the offline one would,
-    which its figures do not show (a retrain comes every `LEARN_EVERY` finished workflows and is
-    used only when trained on as many workflows as the predictor it would replace)."""
+    """With --online, one note per workload, policy and concurrency whose runs used no retrain
+    (its memory regimes listed): they ran as the offline ones would, which their figures do not
+    show (a retrain comes every `LEARN_EVERY` finished workflows and is used only when trained on
+    as many workflows as the predictor it would replace)."""
     if not args.online:
         return []
-    notes = []
+    groups: dict[tuple, list[str]] = {}
     for r in records:
         if r.get("online_retrains") == 0:
             unused = r.get("online_retrains_unused", 0)
             why = (f"{unused} retrain(s) learned from fewer workflows than the predictor it started with"
                    if unused else f"{r['workflows']} workflows finished, a retrain comes every "
                                   f"{predictors_mod.LEARN_EVERY}")
-            cell = " ".join(str(v) for v in (r["workload"], r["policy"], f"c={r['concurrency']}", r.get("tiers"),
-                                             r.get("pressure") and f"pressure {r['pressure']}") if v)
-            notes.append(f"note: --online: {cell}: no retrain "
-                         f"was used ({why}); it ran as without --online")
+            regime = " ".join(str(v) for v in (r.get("tiers"), r.get("pressure") and f"pressure {r['pressure']}")
+                              if v)
+            groups.setdefault((r["workload"], r["policy"], r["concurrency"], why), []).append(regime)
+    notes = []
+    for (workload, policy, concurrency, why), regimes in groups.items():
+        regimes = [x for x in dict.fromkeys(regimes) if x]
+        where = f" ({', '.join(regimes)})" if regimes else ""
+        notes.append(f"note: --online: {workload} {policy} c={concurrency}{where}: no retrain "
+                     f"was used ({why}); it ran as without --online")
     return notes
 
 
