@@ -153,3 +153,11 @@ def test_online_notes_name_each_cell_once_with_its_regimes():
         "(20 workflows finished, a retrain comes every 200); it ran as without --online",
         "note: --online: w pbkv c=16 (device pressure 0.05): no retrain was used (20 workflows finished, a "
         "retrain comes every 200); it ran as without --online"]
+
+
+def test_bench_notes_replayed_agents_a_train_file_never_showed(tmp_path):
+    """--train FILE gets the note --predictor DIR gets (agents with under min_count calls are unknown)."""
+    code, said = bench("--trace", TRACE, "--train", TRACE, "--policies", "pbkv", "--pressure", "0.5",
+                       "--tiers", "device", "--out", tmp_path)
+    assert code == 0 and f"note: chatdev-mini: --train {TRACE}: 3 of 18 positions have an agent the " \
+                         f"predictors never saw" in said, said

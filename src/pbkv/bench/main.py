@@ -106,6 +106,8 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         paths = predictors_mod.prepare(args.sources, trained, args.predictor, args.out / "models",
                                        progress=lambda done, total: bar.update(task, completed=done, total=total),
                                        jobs=args.jobs)
+        for line in trained_notes(args, paths):   # before the runs, as --predictor's notes
+            console.print(line, markup=False, highlight=False)
         cfg = replace(args, policies=pols, predictors=paths)
         doing = {"sim": "simulating", "vllm": "running vLLM"}.get(args.engine, "running the model")
         jobs = sweep_jobs(cfg)           # sizing the regimes reads every workload: once
@@ -151,7 +153,19 @@ def check_given_predictor(args: BenchArgs, policies: list[str]) -> list[str]:
     if not path or "fused" not in predictors_mod.variants_needed(policies):
         return []
     predictor = predictors_mod.given_predictor(path, args.horizon)
-    return predictors_mod.agent_notes(predictor, path, args.sources)
+    return predictors_mod.agent_notes(predictor, f"--predictor {path}", args.sources)
+
+
+def trained_notes(args: BenchArgs, paths: dict) -> list[str]:
+    """With --train FILE, the notes `check_given_predictor` gives for --predictor: replayed agents
+    the predictor trained on FILE never saw (one predictor read: every variant learns the same
+    agents from the same files). Nothing otherwise, so the default run prints what it printed."""
+    trained = [path for (_, variant), path in paths.items()
+               if not (args.predictor.predictor and variant == "fused")]
+    if not args.predictor.train or not trained:
+        return []
+    label = f"--train {','.join(map(str, args.predictor.train))}"
+    return predictors_mod.agent_notes(predictors_mod.load(trained[0]), label, args.sources)
 
 
 def online_notes(records: list[dict], args: BenchArgs) -> list[str]:

@@ -153,17 +153,17 @@ def given_predictor(path: str, horizon: int | None = None):
     return p
 
 
-def agent_notes(predictor, path: str, sources) -> list[str]:
-    """One note per replayed workload with agents `predictor` (--predictor `path`) never saw, as
-    `pbkv predict-eval` prints: their calls are predicted as an unknown agent, which a policy
-    comparison would not show."""
+def agent_notes(predictor, label: str, sources) -> list[str]:
+    """One note per replayed workload with agents `predictor` (`label`: "--predictor DIR" or
+    "--train FILE") never saw, as `pbkv predict-eval` prints: their calls are predicted as an
+    unknown agent, which a policy comparison would not show."""
     from pbkv.bench.sweep import load_workload
     from pbkv.predict.evaluate import unseen_note
     notes = []
     for source in sources:
         note = unseen_note(set(predictor.agents), load_workload(source).trace)
         if note:
-            notes.append(f"note: {source.name}: --predictor {path}: {note}")
+            notes.append(f"note: {source.name}: {label}: {note}")
     return notes
 
 
