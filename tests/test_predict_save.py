@@ -192,4 +192,4 @@ def test_serve_refuses_at_start_a_predictor_folder_it_would_overwrite_on_shutdow
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"holds other files \(notes.txt\)"):
         build_policy("pbkv", 16, predictor_dir=tmp_path, online=True)
-    assert build_policy("pbkv", 16, predictor_dir=tmp_path / "new", online=False).predictor_dir == tmp_path / "new"
+    assert build_policy("pbkv", 16, predictor_dir=tmp_path / "new", online=True).predictor_dir == tmp_path / "new"

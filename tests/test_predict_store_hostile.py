@@ -197,3 +197,15 @@ def test_an_earlier_runs_copy_given_back_as_predictor_is_used_not_deleted(predic
     first = pm.snapshot(str(store_dir), out)
     again = pm.snapshot(first, out)
     assert again == first and load_predictor(again).agents == predictor.agents
+
+
+def test_serve_refuses_a_predictor_folder_it_would_neither_read_nor_write(predictor, tmp_path):
+    """--no-online with a folder holding no predictor (a typo) ran on an empty Markov chain and
+    saved nothing; a policy reading no predictor ignored --predictor."""
+    with pytest.raises(ValueError, match=r"typo.*holds no saved predictor, and with --no-online nothing is learned"):
+        build_policy("pbkv", 16, predictor_dir=tmp_path / "typo", online=False)
+    saved = save_predictor(predictor, tmp_path / "p")
+    for policy in ("lru", "kvflow"):
+        with pytest.raises(ValueError, match=rf"--predictor .*p: policy {policy} uses no predictor"):
+            build_policy(policy, 16, predictor_dir=saved, online=False)
+    assert build_policy("pbkv", 16, predictor_dir=saved, online=False).loaded

@@ -67,7 +67,7 @@ def test_a_first_save_killed_between_rename_and_pointer_leaves_a_usable_folder(t
     child.stdin.close()
     assert not has_predictor(dst)            # the killed save never made its version live
     check_target(dst)                         # but the folder is not refused as one of other files
-    setup = build_policy("pbkv", 16, predictor_dir=dst, online=False)
+    setup = build_policy("pbkv", 16, predictor_dir=dst, online=True)
     assert not setup.loaded
     save_predictor(load_predictor(src), dst)
     assert load_predictor(dst).agents == load_predictor(src).agents

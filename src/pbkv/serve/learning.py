@@ -231,19 +231,27 @@ def empty_markov(horizon: int):
 def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = None, online: bool = True,
                  learn_every: int = 50, horizon: int = 3, learn_steps: int = 300,
                  learn_nice: int = DEFAULT_NICE) -> PolicySetup:
-    """Raises ValueError (unknown policy, a future-reading policy, an unreadable predictor, or with
-    `online` a `predictor_dir` a shutdown save could not write)."""
+    """Raises ValueError (unknown policy, a future-reading policy, an unreadable predictor, a
+    `predictor_dir` the policy does not read, one holding no predictor without `online`, or with
+    `online` one a shutdown save could not write)."""
     if needs_future(name):
         raise ValueError(f"policy {name!r} reads the future of a replayed trace; a server has none "
                          f"(use lru, kvflow or pbkv)")
     variant = needed_predictor(name)
     predictor_dir = Path(predictor_dir) if predictor_dir else None
+    if predictor_dir is not None and variant is None:   # else silently unused
+        raise ValueError(f"--predictor {predictor_dir}: policy {name} uses no predictor (the pbkv policies do); "
+                         f"leave --predictor out")
     predictors, loaded, history = {}, False, []
     if variant is not None:
         if predictor_dir is not None and has_predictor(predictor_dir):
             predictors[variant], history = load_with_history(predictor_dir)
             require_variant(predictors[variant], variant, name, f"--predictor {predictor_dir}")
             loaded, horizon = True, predictors[variant].horizon
+        elif predictor_dir is not None and not online:   # a typo: nothing would ever be loaded or saved
+            raise ValueError(f"--predictor {predictor_dir}: holds no saved predictor, and with --no-online "
+                             f"nothing is learned or saved there; give a folder `pbkv train` or a learning "
+                             f"server saved into, or leave out --no-online to start learning into it")
         else:
             predictors[variant] = empty_markov(horizon)
         if predictor_dir is not None and online:  # saved there on shutdown: refuse now what would fail that save
