@@ -195,6 +195,24 @@ def test_pbkv_serve_exits_1_after_a_failed_shutdown_save(monkeypatch):
     assert CliRunner().invoke(app, ["serve", "--port", "0"]).exit_code == 0
 
 
+def test_pbkv_serve_hands_on_absolute_paths(monkeypatch, tmp_path):
+    """With --replicas the engines run in Ray workers started elsewhere: a relative --predictor,
+    --record or model folder would be read and written there."""
+    import pbkv.serve
+    seen = {}
+    monkeypatch.setattr(pbkv.serve, "run", lambda cfg, log_level: seen.update(cfg=cfg))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    r = CliRunner().invoke(app, ["serve", "--port", "0", "--model", "models/m", "--predictor", "pred",
+                                 "--record", "rec.jsonl"])
+    assert r.exit_code == 0, r.output
+    cfg = seen["cfg"]
+    assert (cfg.model, cfg.predictor_dir, cfg.record) == (str(tmp_path / "models" / "m"), str(tmp_path / "pred"),
+                                                          str(tmp_path / "rec.jsonl"))
+    CliRunner().invoke(app, ["serve", "--port", "0", "--model", "tiny"])
+    assert seen["cfg"].model == "tiny"   # a built-in name stays a name
+
+
 # ---- 2. workflows.json
 
 def write_history_text(folder: Path, text: str) -> None:

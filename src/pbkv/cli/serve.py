@@ -93,15 +93,18 @@ def serve(
         api_key = ""                                               # refused below, with the flag's message
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
-    # absolute paths: with --replicas the engines run in Ray workers, whose working folder is not this one
+    # absolute paths (here and below): with --replicas the engines run in Ray workers, whose working
+    # folder is not this one
     cache = CacheConfig(device_tokens, host_tokens, disk_tokens,
                         disk_dir=str(disk_dir.resolve()) if disk_dir else None,
                         shared_dir=str(shared_dir.resolve()) if shared_dir else None, shared_bytes=shared_bytes)
     with exit_on_error():
         cache.check()   # a disk below --host-tokens 0 is never used: refused before the model loads
+    if Path(model).exists():   # a local folder, not a built-in name: absolute for the same reason
+        model = os.path.abspath(model)
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
-                      cache=cache, record=str(record) if record else None, record_rotate=record_rotate,
-                      record_context=record_context, predictor_dir=str(predictor) if predictor else None,
+                      cache=cache, record=os.path.abspath(record) if record else None, record_rotate=record_rotate,
+                      record_context=record_context, predictor_dir=os.path.abspath(predictor) if predictor else None,
                       online=online, learn_every=learn_every, learn_steps=learn_steps, learn_nice=learn_nice,
                       idle_timeout=idle_timeout, max_tokens_limit=max_tokens_limit,
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
