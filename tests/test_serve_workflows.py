@@ -171,3 +171,17 @@ def test_a_retrain_on_fewer_workflows_than_the_loaded_predictor_is_not_used():
     assert learner.poll() is None
     learner._ready = SimpleNamespace(info={"workflows": 60})
     assert learner.poll().info["workflows"] == 60
+
+
+def test_a_utf8_header_names_the_same_workflow_and_agent_as_the_body(srv, client):
+    """Headers arrive decoded as Latin-1: "café" in X-Workflow-Id was another workflow than the
+    body's "café" and its URL-quoted end answered 404."""
+    ask(client, "step one", workflow_id="café", agent="rédacteur")
+    wf = wf_of(srv, "café")
+    httpx.post(srv.url + "/v1/chat/completions",
+               headers={"X-Workflow-Id": "café".encode(), "X-Agent": "rédacteur".encode()},
+               json={"model": "tiny", "messages": [{"role": "user", "content": "step two"}], "max_tokens": 2})
+    r = httpx.post(srv.url + "/v1/workflows/caf%C3%A9/end")
+    assert r.status_code == 200 and r.json()["id"] == "café", r.text
+    assert [e for e in events_of(srv, wf) if e[0] == "on_call_start"] == [
+        ("on_call_start", (0, "rédacteur")), ("on_call_start", (1, "rédacteur"))]

@@ -91,10 +91,18 @@ def _check_text(text: str, path: tuple) -> None:
 
 
 def header_hint(request: Request, name: str) -> str | None:
-    """A workflow hint header (`X-Workflow-Id`, `X-Agent`): None when absent, 400 when unusable."""
+    """A workflow hint header (`X-Workflow-Id`, `X-Agent`): None when absent, 400 when unusable.
+    Read as UTF-8 (what clients send for a name such as "café", and how the body and the URL of
+    `/v1/workflows/{id}/end` carry it), as Latin-1 only when the bytes are not UTF-8: the server
+    hands headers over decoded as Latin-1, which would make "café" another workflow than the
+    body's."""
     value = request.headers.get(name)
     if value is None:
         return None
+    try:
+        value = value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        pass
     value = value.strip()
     if not value or len(value) > MAX_HINT_CHARS:
         raise bad_request(f"Header {name} must be 1 to {MAX_HINT_CHARS} characters.", name, "invalid_value")
