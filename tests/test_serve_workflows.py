@@ -128,8 +128,12 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
             agents = ["router", "coder", "router"] if w % 2 else ["router", "writer", "reviewer", "router"]
             for i, agent in enumerate(agents):
                 ask(client, f"wf {w} step {i}", workflow_id=f"L{w}", agent=agent, workflow_done=i == len(agents) - 1)
+        for w in range(2):   # still open at the stop: cut short, not finished, so not learned
+            for i in range(2):
+                ask(client, f"cut {w} step {i}", workflow_id=f"X{w}", agent="router")
     finally:
         srv.stop()
+    assert srv.state.setup.learner.cut == 2
     live = live_dir(model_dir)
     assert (live / "config.json").is_file() and (live / "model.safetensors").is_file()
     again = start_server(policy="pbkv", predictor_dir=str(model_dir))

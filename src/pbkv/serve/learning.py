@@ -80,6 +80,8 @@ class TrafficLearner(OnlineLearner):
 
     skipped = 0
     dropped = 0        # retrains not used: below `floor`, or lost with their process
+    taking = True      # False once the server stops: runs still open then are cut short, not finished
+    cut = 0            # workflows heard after that, not learned
     nice = DEFAULT_NICE
     floor = 0          # a retrain on fewer workflows is not used (`build_policy`: the loaded predictor's)
     save_to: Path | None = None   # `--predictor`: where each used background retrain is saved at once
@@ -105,6 +107,9 @@ class TrafficLearner(OnlineLearner):
         return predictor
 
     def add(self, agents: list[str], contexts: list[str | None]) -> None:
+        if not self.taking:
+            self.cut += 1
+            return
         if all(a == DEFAULT_AGENT for a in agents):
             self.skipped += 1
             return
@@ -297,6 +302,8 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     --predictor to save it to), save. The path saved to, or None (nothing to save, or the save
     failed: logged as one error line and kept in `setup.save_error`)."""
     policy, learner = setup.policy, setup.learner
+    if learner is not None and learner.cut:
+        log.info("%d workflow(s) still running at shutdown not learned (cut short, not finished)", learner.cut)
     if learner is not None:
         newest = learner.finish(final_train=setup.predictor_dir is not None)
         if newest is not None:

@@ -104,6 +104,7 @@ def build_state(cfg: ServeConfig) -> ServerState:
     state = ServerState(model_name=name, policy_name=cfg.policy, tokenizer=tokenizer, worker=worker,
                         metrics=metrics, max_context=min(positions, caps.device), config=cfg)
     state.setup = setup
+    worker.learner = setup.learner
 
     def save_predictor():
         saved = finish_learning(setup)

@@ -53,6 +53,7 @@ class EngineWorker:
         self.engine, self.tok, self.table, self.metrics = engine, tokenizer, table, metrics
         self.recorder, self.clock, self.idle_wait = recorder, clock, idle_wait
         self.record_context = record_context
+        self.learner = None              # the policy's TrafficLearner, if any (told at shutdown)
         self.origin = clock()
         self.jobs: dict[int, Job] = {}   # id(request) -> its job, until the job's Done
         self.peak_running = 0            # most requests generating at once (batching at work)
@@ -294,7 +295,12 @@ class EngineWorker:
         deadline = time.monotonic() + 10.0
         while self.engine.busy and time.monotonic() < deadline:
             self._step()
-        for run in self.table.all_live():
+        live = self.table.all_live()
+        # first the runs their clients ended (done, endpoint): finished, so learned; the rest were
+        # still open, cut short by the stop, and a learner must not take them as finished
+        for run in sorted(live, key=lambda r: r.ending == "shutdown"):
+            if run.ending == "shutdown" and self.learner is not None:
+                self.learner.taking = False
             if run.in_flight == 0:
                 self._end_run(run)
         if self.recorder is not None:
