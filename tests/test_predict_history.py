@@ -90,13 +90,29 @@ def test_two_servers_on_one_folder_keep_each_others_workflows(predictor, tmp_pat
     b.learner.add(["review"], ["from b"])
     finish_learning(a)
     finish_learning(b)
-    assert read_history(tmp_path / "p") == [[("plan", "from a")], *FLOWS, [("review", "from b")]]
+    assert read_history(tmp_path / "p") == [*FLOWS, [("plan", "from a")], [("review", "from b")]]
 
 
-def test_merging_keeps_the_newest_window_and_counts_repeats(predictor, tmp_path):
+def test_two_servers_keep_each_others_workflows_that_look_alike(predictor, tmp_path):
+    """A fixed pipeline with templated prompts: both servers end the same-looking workflows.
+    Matching by content dropped A's (5 of 10 kept); the folder now keeps all 10, once each."""
+    save_predictor(predictor, tmp_path / "p", history=FLOWS)
+    a = build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=True)
+    b = build_policy("pbkv", 16, predictor_dir=tmp_path / "p", online=True)
+    for learner in (a.learner, b.learner):
+        for _ in range(5):
+            learner.add(["plan", "review"], ["task: same", None])
+    finish_learning(a)
+    finish_learning(b)
+    same = [("plan", "task: same"), ("review", None)]
+    assert read_history(tmp_path / "p") == [*FLOWS, *[same] * 10]
+
+
+def test_merging_puts_ours_after_the_live_workflows_and_keeps_the_newest_window(predictor, tmp_path):
     from pbkv.predict.history import merge_with_live
     one, two = [("plan", None)], [("code", "x" * (MAX_CONTEXT_CHARS + 9))]
-    save_predictor(predictor, tmp_path / "p", history=[one, one, two])
-    assert merge_with_live(tmp_path / "p", [one, two], 10) == [one, one, two]   # one saved twice, held once
-    assert merge_with_live(tmp_path / "p", [two, one], 2) == [two, one]           # the window keeps ours first
-    assert merge_with_live(tmp_path / "empty", [one], 5) == [one]                 # nothing saved yet
+    save_predictor(predictor, tmp_path / "p", history=[one, two])
+    cut = [("code", "x" * MAX_CONTEXT_CHARS)]                                    # saved cut
+    assert merge_with_live(tmp_path / "p", [one], 10) == [one, cut, one]         # alike, yet another workflow
+    assert merge_with_live(tmp_path / "p", [two, one], 2) == [two, one]          # the window keeps the newest
+    assert merge_with_live(tmp_path / "empty", [one], 5) == [one]                # nothing saved yet

@@ -116,5 +116,9 @@ def test_a_used_background_retrain_is_saved_at_once_so_a_killed_server_keeps_it(
         if saved:
             assert {"plan", "code", "test"} <= set(load_predictor(folder).agents)
             assert [[a for a, _ in wf] for wf in read_history(folder)] == [["plan", "code"], ["plan", "code", "test"]] * 3
+            setup.policy.predictor = learner.poll()                     # as the policy takes it up
+            learner.add(["plan"], [None])
+            finish_learning(setup)                                      # the shutdown save adds only the new one
+            assert [[a for a, _ in wf] for wf in read_history(folder)] == [["plan", "code"], ["plan", "code", "test"]] * 3 + [["plan"]]
     finally:
         learner.close(kill=True)

@@ -13,10 +13,11 @@ Invariants:
 - a context is kept to its first `MAX_CONTEXT_CHARS` characters: the featurizer reads no more
   (`FeatureConfig.max_chars`, the default a server's retrains use), so the cut loses nothing the
   predictor can learn from;
-- several servers on one folder lose no workflows to each other: a save keeps, before its own
-  window, the workflows of the live version its window lacks (another server's, saved since this
-  one started: `merge_with_live`), newest `window` in all. The predictor saved is this server's;
-  the next server trains on everyone's traffic.
+- several servers on one folder lose no workflows to each other: a save writes the live
+  version's workflows (another server's included, saved since this one started) followed by
+  those of its own window the folder does not hold yet (`merge_with_live`; the server tracks
+  which, by workflow, not by content: two servers' workflows may look alike), newest `window` in
+  all. The predictor saved is this server's; the next server trains on everyone's traffic.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import Counter
 from pathlib import Path
 
 from pbkv.files import is_text, read_text
@@ -47,28 +47,16 @@ def write_history(folder: Path, workflows: list[Workflow]) -> None:
 
 
 def merge_with_live(path: str | Path, ours: list[Workflow], window: int) -> list[Workflow]:
-    """`ours` (oldest first) preceded by the live version's workflows that `ours` does not hold
-    (counted as a multiset, contexts cut as saved), the newest `window` kept. Called under the
-    save lock (`store.publish`), so no other save lands between this read and the write. An
-    unreadable live history is logged and left out: it cannot be carried over anyway."""
+    """The live version's workflows followed by `ours` (oldest first: workflows the folder does
+    not hold yet), the newest `window` kept. Called under the save lock (`store.publish`), so no
+    other save lands between this read and the write. An unreadable live history is logged and
+    left out: it cannot be carried over anyway."""
     try:
         live = read_history(path)
     except (OSError, ValueError) as e:
         log.warning("the workflows saved in %s are not carried over: %s", path, e)
         live = []
-    left = Counter(map(_key, ours))
-    extra = []
-    for wf in live:
-        key = _key(wf)
-        if left[key]:
-            left[key] -= 1
-        else:
-            extra.append(wf)
-    return (extra + ours)[-window:] if window > 0 else []
-
-
-def _key(wf: Workflow) -> tuple:
-    return tuple((agent, None if ctx is None else ctx[:MAX_CONTEXT_CHARS]) for agent, ctx in wf)
+    return (live + list(ours))[-window:] if window > 0 else []
 
 
 def read_history(path: str | Path) -> list[Workflow]:

@@ -90,6 +90,23 @@ class TrafficLearner(OnlineLearner):
     _lifeline = None
     _killing = False   # set by `close(kill=True)`: a broken pool is then expected
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # ids of the window's workflows the --predictor folder already holds (loaded from it, or
+        # saved there since): a save adds only the others (`history.merge_with_live`)
+        self.in_folder: set[str] = set()
+
+    def remember(self, workflows) -> None:
+        super().remember(workflows)
+        if workflows:
+            with self._lock:
+                self.in_folder.update(wf[0].workflow_id for wf in list(self.window)[-len(workflows):])
+
+    def unsaved_workflows(self) -> list[list[tuple[str, str | None]]]:
+        """The window's workflows the folder does not hold yet, oldest first."""
+        with self._lock:
+            return [[(c.agent, c.context) for c in wf] for wf in self.window if wf[0].workflow_id not in self.in_folder]
+
     def poll(self):
         """`OnlineLearner.poll`, but a predictor trained on fewer than `floor` workflows is
         dropped: retrains learn from the window (this session's traffic, after the workflows
@@ -144,10 +161,15 @@ class TrafficLearner(OnlineLearner):
     def _save(self, predictor, window) -> None:
         """Save a retrain to `save_to` with the workflows it learned from (`window`: the trace of
         the learning window when it started), merged with the live version's as at shutdown."""
-        workflows = [[(c.agent, c.context) for c in calls] for calls in window.workflows().values()]
+        by_id = window.workflows()
+        with self._lock:
+            workflows = [[(c.agent, c.context) for c in calls] for wid, calls in by_id.items()
+                         if wid not in self.in_folder]
         try:
             save_atomic(predictor, self.save_to, workflows, self.window.maxlen)
             self.save_error = None
+            with self._lock:
+                self.in_folder.update(by_id)
             log.info("saved a retrain (%d workflows) to %s", len(workflows), self.save_to)
         except (OSError, ValueError) as e:   # the folder changed since start-up: serving goes on
             self.save_error = str(e)
@@ -316,7 +338,7 @@ def finish_learning(setup: PolicySetup) -> Path | None:
     predictor = getattr(policy, "predictor", None)
     if not isinstance(predictor, NeuralPredictor):
         if learner is not None and setup.hand_off:
-            setup.unsaved = learner.workflows()
+            setup.unsaved = learner.unsaved_workflows()
             log.info("%d ended workflows left to the ingress to train on with the other replicas'",
                      len(setup.unsaved))
         elif learner is not None:   # the session's workflows are lost: say so where an operator looks
@@ -324,7 +346,7 @@ def finish_learning(setup: PolicySetup) -> Path | None:
                         "with agent hints have ended (%d did); they are not kept", setup.predictor_dir,
                         MIN_FINAL_TRAIN, len(learner.window))
         return None
-    history = learner.workflows() if learner is not None else setup.history
+    history = learner.unsaved_workflows() if learner is not None else setup.history
     window = learner.window.maxlen if learner is not None else None   # keep other servers' workflows
     try:
         return save_atomic(predictor, setup.predictor_dir, history, window)
