@@ -10,9 +10,11 @@ every workflow so the policy and the recorder hear it), save the predictor, clos
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -145,8 +147,29 @@ def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = N
     import uvicorn
     log_to_stderr(log_level)
     state = state if state is not None else build_state(cfg)
-    uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
+    with stop_signals_return():
+        uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
     return state
+
+
+@contextmanager
+def stop_signals_return():
+    """Let a server stopped by SIGINT or SIGTERM return to its caller. uvicorn shuts down
+    gracefully on either, then raises it again under the handler it found, to end the process as
+    the signal would have; `pbkv serve` has work left after that (exit 1 after a failed predictor
+    save, the replicas' shutdown and hand-off with --replicas), which the re-raise skipped
+    (SIGTERM killed the process, or Ray's handler exited). Handlers that do nothing are what
+    uvicorn finds; the real ones are back once it returns, so a second Ctrl-C during the
+    remaining shutdown still stops the process. Only on the main thread (where signals are)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def log_to_stderr(level: str) -> None:
