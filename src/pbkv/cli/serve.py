@@ -48,6 +48,9 @@ def serve(
     max_queue: Annotated[int, typer.Option(help="Requests in flight before new ones get 429.", min=1)] = 1024,
     max_connections: Annotated[int, typer.Option(help="Open connections (and requests) before new requests get 503.",
                                                  min=1)] = 2048,
+    max_agents: Annotated[int, typer.Option(help="Distinct agent names kept for the server's life; later new ones "
+                                            "are agent 'other' (bounds what clients' made-up names can take).",
+                                            min=1)] = 256,
     header_timeout: Annotated[float, typer.Option(help="Seconds a client has to send a request's headers (from "
                                                   "connecting, or from its first byte on a kept-alive connection) "
                                                   "before the connection is closed.", min=0.001)] = 10.0,
@@ -108,7 +111,7 @@ def serve(
                       online=online, learn_every=learn_every, learn_steps=learn_steps, learn_nice=learn_nice,
                       idle_timeout=idle_timeout, max_tokens_limit=max_tokens_limit,
                       default_max_tokens=default_max_tokens, max_body_bytes=max_body_bytes, max_queue=max_queue,
-                      max_connections=max_connections, header_timeout=header_timeout, body_timeout=body_timeout,
+                      max_connections=max_connections, max_agents=max_agents, header_timeout=header_timeout, body_timeout=body_timeout,
                       keep_alive=keep_alive, threads=threads)
     if replicas == 1:
         if ray_address is not None or router is not None or measured_costs:
