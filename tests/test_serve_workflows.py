@@ -120,7 +120,8 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
     from pbkv.predict.history import read_history
     from pbkv.predict.predictor import NeuralPredictor, load_predictor
     model_dir = tmp_path / "predictor"
-    srv = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40)
+    srv = start_server(policy="pbkv", predictor_dir=str(model_dir), learn_every=4, learn_steps=40,
+                       record=str(tmp_path / "rec"))
     try:
         assert not srv.state.setup.loaded
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -134,6 +135,8 @@ def test_online_learning_saves_and_reloads_the_predictor(torch_threads, tmp_path
     finally:
         srv.stop()
     assert srv.state.setup.learner.cut == 2
+    recorded = [c for f in sorted((tmp_path / "rec").iterdir()) for c in read_trace(f).calls]
+    assert len({c.workflow_id for c in recorded}) == 12 and not any("cut" in (c.context or "") for c in recorded)
     live = live_dir(model_dir)
     assert (live / "config.json").is_file() and (live / "model.safetensors").is_file()
     again = start_server(policy="pbkv", predictor_dir=str(model_dir))

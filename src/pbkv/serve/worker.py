@@ -54,6 +54,7 @@ class EngineWorker:
         self.recorder, self.clock, self.idle_wait = recorder, clock, idle_wait
         self.record_context = record_context
         self.learner = None              # the policy's TrafficLearner, if any (told at shutdown)
+        self.unrecorded = 0              # runs still open at shutdown, left out of --record
         self.origin = clock()
         self.jobs: dict[int, Job] = {}   # id(request) -> its job, until the job's Done
         self.peak_running = 0            # most requests generating at once (batching at work)
@@ -286,7 +287,11 @@ class EngineWorker:
         self.engine.end_workflow(run.workflow)
         self.table.remove(run)
         self.metrics.workflows_ended.labels(reason=run.ending).inc()
-        if self.recorder is not None and not self.recorder.record(run.calls):
+        if self.recorder is None:
+            return
+        if run.ending == "shutdown":   # cut short: as a whole workflow it would teach an early end
+            self.unrecorded += 1
+        elif not self.recorder.record(run.calls):
             self.metrics.record_errors.inc()   # logged by the recorder; the calls were served
 
     def _shutdown(self) -> None:
@@ -304,4 +309,7 @@ class EngineWorker:
             if run.in_flight == 0:
                 self._end_run(run)
         if self.recorder is not None:
+            if self.unrecorded:
+                log.info("%d workflow(s) still running at shutdown not recorded (cut short, not finished)",
+                         self.unrecorded)
             self.recorder.close()
