@@ -192,3 +192,11 @@ def test_a_utf8_header_names_the_same_workflow_and_agent_as_the_body(srv, client
     assert r.status_code == 200 and r.json()["id"] == "café", r.text
     assert [e for e in events_of(srv, wf) if e[0] == "on_call_start"] == [
         ("on_call_start", (0, "rédacteur")), ("on_call_start", (1, "rédacteur"))]
+
+
+
+def test_an_overlong_id_on_the_end_route_gets_the_hint_error_code(srv):
+    """As a too-long workflow_id hint does: code "invalid_value" (it was null)."""
+    from pbkv.serve import schemas
+    r = httpx.post(srv.url + "/v1/workflows/" + "w" * (schemas.MAX_HINT_CHARS + 1) + "/end")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text

@@ -201,7 +201,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     async def end_workflow(request: Request, workflow_id: str):
         check_api_key(request, state.config.api_key)
         if not 0 < len(workflow_id) <= schemas.MAX_HINT_CHARS:
-            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id")
+            raise bad_request(f"A workflow id has 1 to {schemas.MAX_HINT_CHARS} characters.", "workflow_id", "invalid_value")
         found = await asyncio.wrap_future(state.worker.end_workflow(workflow_id))
         if not found:
             raise APIError(404, f"No running workflow {workflow_id!r} (never started, or already ended).",
