@@ -494,3 +494,13 @@ def test_with_the_deployment_gone_the_ingress_still_answers_metrics_health_and_e
             assert http.get("/health").status_code == 503        # the same kept-alive connection still serves
     finally:
         srv.stop()
+
+
+def test_past_its_bound_the_ingress_forgets_the_workflow_idle_longest(monkeypatch):
+    """It cleared every workflow at once, the running ones too (they then ended on the other
+    replicas only by idle timeout)."""
+    monkeypatch.setattr(remote, "MAX_VISITED", 3)
+    worker = remote.RemoteWorker(FakeHandle(FakeReplica("a")), 16, None, None)
+    for wid, replica in [("w1", "a"), ("w2", "a"), ("w3", "b"), ("w1", "b"), ("w4", "a")]:
+        worker._visit(wid, replica)
+    assert worker.visited == {"w3": {"b"}, "w1": {"a", "b"}, "w4": {"a"}}   # w2 idle longest; w1 called again

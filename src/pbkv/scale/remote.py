@@ -193,15 +193,23 @@ class RemoteWorker:
         return route_hints(workflow_id, job.hints.agent, block_hashes(job.prompt_ids, self.block_size),
                            len(job.prompt_ids), job.sampling.max_new_tokens, done=one_call or job.hints.done)
 
+    def _visit(self, workflow_id: str, replica: str) -> None:
+        """Remember that `replica` served a call of `workflow_id`, newest last; past MAX_VISITED
+        the workflow idle longest is forgotten (clearing them all forgot the running ones too,
+        which then ended on the other replicas only by idle timeout)."""
+        replicas = self.visited.pop(workflow_id, set())
+        replicas.add(replica)
+        self.visited[workflow_id] = replicas
+        if len(self.visited) > MAX_VISITED:
+            del self.visited[next(iter(self.visited))]
+
     async def _pump(self, job: Job) -> None:
         route, retries = self.route(job), 0
         while True:
             done, replica, sent, exc = await self._attempt(job, route)
             workflow_id = job.hints.workflow_id
             if replica is not None and workflow_id is not None:
-                if len(self.visited) > MAX_VISITED:
-                    self.visited.clear()
-                self.visited.setdefault(workflow_id, set()).add(replica)
+                self._visit(workflow_id, replica)
             if done is not None:
                 if job.hints.done and workflow_id is not None:
                     self._end_elsewhere(workflow_id, replica)
