@@ -98,3 +98,41 @@ def test_simcheck_verdict_checks_rank_and_speedup_tolerance():
     assert lines[2].startswith("PASS pbkv speedup over lru: real 1.250x, simulated 1.111x (+12.5%")
     lines = verdict([row("lru", 10.0, 5.0, 100, 100), row("pbkv", 11.0, 4.0, 50, 60)])
     assert lines[0].startswith("FAIL rank by latency") and lines[2].startswith("FAIL pbkv")
+
+
+def test_calls_failing_in_the_engine_fail_the_bench(tmp_path):
+    """A model whose positions are fewer than the prompts: every forward pass raises, the engine
+    ends each call with "error". bench used to exit 0 with a negative mean TTFT and recomputed =
+    prompt tokens; now it names the failed calls and writes no figures."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)).save_pretrained(
+        tmp_path / "m")
+    threads = torch.get_num_threads()
+    try:
+        r = CliRunner().invoke(app, ["bench", "--engine", "hf", "--model", str(tmp_path / "m"), "--workload", "hover",
+                                     "--workflows", "2", "--concurrency", "2", "--policies", "lru", "--scale", "16",
+                                     "--out", str(tmp_path / "o"), "--jobs", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert r.exit_code == 2, r.output
+    assert ("error: hover lru c=2: 13 of 13 calls failed in the engine (first: hover-0-00000 step 0: "
+            "IndexError: index out of range in self); no figures written") in " ".join(r.output.split())
+    assert not (tmp_path / "o" / "bench.json").exists()
+
+
+def test_recorder_leaves_failed_calls_out_of_the_figures():
+    from pbkv.driver import Recorder
+    from pbkv.engine.request import Request
+    from pbkv.trace import Call
+    rec = Recorder()
+    ok = Request(call=Call("w", 0, "a", 10, 2, [1]), workflow=0, on_done=None, arrival=1.0, finish_reason="length",
+                 first_token=1.5, finished=2.0, recomputed=10)
+    bad = Request(call=Call("w", 1, "a", 30, 2, [1]), workflow=0, on_done=None, arrival=3.0, finish_reason="error",
+                  error="IndexError: index\nout of range", recomputed=30)
+    rec.call_finished(ok)
+    rec.call_finished(bad)
+    s = rec.summary()
+    assert (rec.failed, rec.first_error) == (1, "w step 1: IndexError: index out of range")
+    assert s["calls"] == 2 and s["mean_ttft_s"] == 0.5 and s["recomputed_tokens"] == 10 and s["prompt_tokens"] == 10
+    assert "failed_calls" not in s   # the simulator's records keep their keys

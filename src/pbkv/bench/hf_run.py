@@ -60,6 +60,7 @@ class HFSetup(EngineSetup):
 
     lm: object                      # pbkv.engine.hf.LoadedModel
     hf: HFConfig
+    reports_failed_calls = True     # a call whose forward pass raised ends with "error"
 
     def __post_init__(self):
         self.kv_bytes_per_token = self.lm.kv_bytes_per_token
@@ -92,10 +93,25 @@ class HFSetup(EngineSetup):
         }
 
 
-def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None) -> dict:
+def run_hf(workload: Workload, cfg: RunConfig, hf: HFConfig, progress=None, allow_failed: bool = False) -> dict:
     """Replay `workload`, scaled by `hf`, on the real model under `cfg`; the record of
-    `runner.run_workload` plus the real engine's figures."""
-    return run_workload(scale_workload(workload, hf), cfg, HFSetup(get_model(hf), hf), progress)
+    `runner.run_workload` plus the real engine's figures. Raises EngineError when calls failed
+    inside the engine (`check_failed_calls`), unless `allow_failed`."""
+    record = run_workload(scale_workload(workload, hf), cfg, HFSetup(get_model(hf), hf), progress)
+    if not allow_failed:
+        check_failed_calls(record, f"{workload.name} {cfg.policy} c={cfg.concurrency}")
+    return record
+
+
+def check_failed_calls(record: dict, setup: str) -> None:
+    """Raise EngineError (`pbkv bench`: one `error:` line, exit 2) when calls of this run failed
+    inside the engine (`failed_calls`): its figures leave them out (no first token), so they
+    would describe a run that did not happen as asked."""
+    from pbkv.engine.hf import EngineError
+    failed = record.get("failed_calls", 0)
+    if failed:
+        raise EngineError(f"{setup}: {failed} of {record['calls']} calls failed in the engine "
+                          f"(first: {record.get('first_error')}); no figures written")
 
 
 def scale_workload(workload: Workload, hf: HFConfig) -> Workload:

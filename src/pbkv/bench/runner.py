@@ -28,6 +28,9 @@ class EngineSetup(ABC):
     `capacities`, `call_seconds` and `make_engine`; `close` and `record` are optional."""
 
     kv_bytes_per_token: float
+    # whether calls can fail inside this engine (ended with "error"): then the record has
+    # `failed_calls` (and, when some failed, `first_error`); the simulator's records have neither
+    reports_failed_calls: bool = False
 
     @abstractmethod
     def capacities(self, workload: Workload, cfg: RunConfig) -> Capacities:
@@ -116,6 +119,10 @@ def run_workload(workload: Workload, cfg: RunConfig, setup: EngineSetup, progres
         "policy_overhead": s.policy_seconds / max(record["makespan_s"], 1e-9),
     })
     record.update(setup.record(engine, cache, wall))
+    if setup.reports_failed_calls:
+        record["failed_calls"] = recorder.failed
+        if recorder.failed:
+            record["first_error"] = recorder.first_error
     monitor = getattr(policy, "monitor", None)
     if monitor is not None:
         record.update(monitor.summary())

@@ -2,7 +2,11 @@
 
 Hit rates are fractions of prompt tokens by where their KV came from when the call was served:
 device (already resident, prefetched included), host, disk, and (the real engine with a shared
-directory) shared; the rest was recomputed."""
+directory) shared; the rest was recomputed.
+
+A call the engine ended with "error" (the real engine: its own forward pass raised) is counted in
+`failed` (`first_error` says why) and left out of every other per-call figure: it produced no
+first token, so its TTFT, latency and hit/recompute counts mean nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from pbkv.engine.request import Request
+from pbkv.engine.sampling import ERROR
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -39,6 +44,8 @@ class Recorder:
     latency: list[float] = field(default_factory=list)
     end_time: float = 0.0
     first_start: float | None = None   # the earliest workflow start (None: none started)
+    failed: int = 0                    # calls ended with "error" (counted in `calls` too)
+    first_error: str | None = None     # the first failed call's `Request.error`
 
     def workflow_started(self, i: int, workflow_id: str, now: float) -> None:
         self.starts[i] = now
@@ -51,6 +58,11 @@ class Recorder:
 
     def call_finished(self, req: Request) -> None:
         self.calls += 1
+        if req.finish_reason == ERROR:
+            self.failed += 1
+            if self.first_error is None:
+                self.first_error = f"{req.call.workflow_id} step {req.call.step}: " + " ".join(str(req.error).split())
+            return
         self.ttft.append(req.first_token - req.arrival)
         self.call_latency.append(req.finished - req.arrival)
         self.prompt_tokens += req.call.input_length
