@@ -136,3 +136,41 @@ def test_recorder_leaves_failed_calls_out_of_the_figures():
     assert (rec.failed, rec.first_error) == (1, "w step 1: IndexError: index out of range")
     assert s["calls"] == 2 and s["mean_ttft_s"] == 0.5 and s["recomputed_tokens"] == 10 and s["prompt_tokens"] == 10
     assert "failed_calls" not in s   # the simulator's records keep their keys
+
+
+def test_a_model_folder_whose_weights_do_not_fit_its_config_is_refused(tmp_path):
+    """Before: missing layers / another model_type ran on random weights; a truncated file or a
+    shape mismatch was a bare SafetensorError / RuntimeError not naming the folder."""
+    import pytest
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from pbkv.engine.hf import ModelLoadError, load_model
+    from pbkv.engine.hf.model import tiny_model
+
+    def folder(name, **config):
+        tiny_model(0).save_pretrained(tmp_path / name)
+        c = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**c, **config}))
+        return str(tmp_path / name)
+
+    cases = {folder("layers", num_hidden_layers=3): "9 weight(s) missing: model.layers.2.input_layernorm.weight "
+                                                    "and 8 more; the config.json and the weights do not describe "
+                                                    "the same model",
+             folder("shape", intermediate_size=256): "6 weight(s) of another shape: model.layers.0.mlp.down_proj."
+                                                     "weight and 5 more; the config.json and the weights do not "
+                                                     "describe the same model"}
+    trunc = folder("trunc")
+    data = (tmp_path / "trunc" / "model.safetensors").read_bytes()
+    (tmp_path / "trunc" / "model.safetensors").write_bytes(data[:len(data) // 2])
+    cases[trunc] = "Error while deserializing header: incomplete metadata, file not fully covered"
+    other = folder("other")
+    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=64, n_embd=64, n_layer=2, n_head=4)).save_pretrained(
+        tmp_path / "gpt2")
+    (tmp_path / "other" / "model.safetensors").write_bytes((tmp_path / "gpt2" / "model.safetensors").read_bytes())
+    cases[other] = ("21 weight(s) missing: lm_head.weight and 20 more; 28 weight(s) unexpected: "
+                    "transformer.h.0.attn.c_attn.bias and 27 more; the config.json")
+    for path, why in cases.items():
+        with pytest.raises(ModelLoadError) as e:
+            load_model(path, device="cpu")
+        assert str(e.value).startswith(f"{path}: cannot load the model ({why}"), str(e.value)
+    assert load_model(str(tmp_path / "gpt2"), device="cpu").layers == 2   # a whole folder still loads

@@ -110,17 +110,40 @@ def check_model_arg(name: str) -> None:
 
 
 def _from_path(path: str, dtype: torch.dtype):
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     check_model_arg(path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot load the model ({str(e).splitlines()[0]})") from None
+    try:  # mismatched shapes are reported in `info` (and refused below), not raised as a bare RuntimeError
+        model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                           output_loading_info=True, ignore_mismatched_sizes=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # SafetensorError: a truncated file
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise ModelLoadError(f"{path}: cannot load the model ({lines[0]})") from None
+    check_loading_info(path, info)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError):
         tok = None  # a model directory without tokenizer files still serves token ids
     return model, tok
+
+
+def check_loading_info(path: str, info: dict) -> None:
+    """Raise `ModelLoadError` when the weights do not cover the model the config describes:
+    transformers would fill missing or mismatched weights with random ones (a config with a layer
+    more than the weights, or another model_type) and the engine would run on them; weights the
+    model has no place for mean the folder holds another model."""
+    problems = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                      ("mismatched_keys", "of another shape")):
+        names = sorted(k[0] if isinstance(k, tuple) else k for k in info.get(key) or ())
+        if names:
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            problems.append(f"{len(names)} weight(s) {what}: {names[0]}{more}")
+    if info.get("error_msgs"):
+        problems.append(str(info["error_msgs"][0]).strip().splitlines()[0])
+    if problems:
+        raise ModelLoadError(f"{path}: cannot load the model ({'; '.join(problems)}; the config.json and "
+                             f"the weights do not describe the same model)")
 
 
 def smollm2_dir() -> Path:
