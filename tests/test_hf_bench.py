@@ -174,3 +174,16 @@ def test_a_model_folder_whose_weights_do_not_fit_its_config_is_refused(tmp_path)
             load_model(path, device="cpu")
         assert str(e.value).startswith(f"{path}: cannot load the model ({why}"), str(e.value)
     assert load_model(str(tmp_path / "gpt2"), device="cpu").layers == 2   # a whole folder still loads
+
+
+def test_bench_hf_refuses_every_pressure_but_auto(tmp_path):
+    """Before: --pressure profile was silently ignored on --engine hf (it ran at the hf defaults,
+    not the profile's sizes), while --pressure 0.3 was refused only after training."""
+    for pressure in ("profile", "0.3"):
+        r = CliRunner().invoke(app, ["bench", "--engine", "hf", "--model", "tiny", "--workload", "hover",
+                                     "--workflows", "2", "--policies", "lru", "--pressure", pressure,
+                                     "--out", str(tmp_path)])
+        assert r.exit_code == 2, r.output
+        assert (f"error: --pressure {pressure}: sizes the simulator's memory; with --engine hf give "
+                f"--device-tokens") in " ".join(r.output.split())
+        assert "training" not in r.output and not (tmp_path / "bench.json").exists()

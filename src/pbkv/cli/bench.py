@@ -22,7 +22,8 @@ PressureOpt = Annotated[str, typer.Option(
     help="Device capacity as a fraction of the replay's distinct prompt tokens, comma-separated (e.g. "
          "0.02,0.05,0.1); 'auto': chosen from each workload's working set (the default run's regimes); "
          "'profile': the profile's device (and, with --tiers auto, the profile's host and disk). "
-         "A fraction below the largest call is raised to it (a note says so). --device-tokens wins.")]
+         "A fraction below the largest call is raised to it (a note says so). --device-tokens wins. "
+         "--engine hf: 'auto' only (its own sizes, or --device-tokens).")]
 TiersOpt = Annotated[str, typer.Option(
     help="Tier sets to run, comma-separated: device (vLLM-like), device+host (host 2x device, HiCache-like), "
          "device+host+disk (plus disk 8x device); each runs exactly its tiers, whatever the profile's (--host-tokens "
@@ -109,7 +110,7 @@ def bench(
         instances=instance_list(instances), routers=distinct("--router", split(router)) if router else [], link=link, shared_tokens=shared_tokens,
         shared_link=shared_link, samples=samples,
         predictor=PredictorSource(predictor=str(predictor) if predictor else None, train=strs(train),
-                                  horizon=horizon or 3), **regime_args(pressure, tiers)), debug)
+                                  horizon=horizon or 3), **regime_args(pressure, tiers, engine)), debug)
 
 
 def instance_list(value: str) -> list[int]:
@@ -122,9 +123,13 @@ def instance_list(value: str) -> list[int]:
     return distinct("--instances", out)
 
 
-def regime_args(pressure: str, tiers: str) -> dict:
-    """--pressure and --tiers, validated (clear error, exit 2)."""
+def regime_args(pressure: str, tiers: str, engine: str = "sim") -> dict:
+    """--pressure and --tiers, validated (clear error, exit 2). On the real engine only 'auto' (its
+    own sizes: 8 x the longest scaled call, or --device-tokens): a fraction or 'profile' sizes the
+    simulator's memory (a profile's device is a GPU's tokens for its model, not the scaled run's)."""
     from pbkv.bench.regimes import parse_pressures, parse_tiers
+    if engine == "hf" and pressure != "auto":
+        fail(f"--pressure {pressure}: sizes the simulator's memory; with --engine hf give --device-tokens")
     with exit_on_error():
         press = pressure if pressure == "auto" else None if pressure == "profile" else parse_pressures(pressure)
         return {"pressures": press, "tiers": [] if tiers == "auto" else parse_tiers(tiers)}
