@@ -152,3 +152,56 @@ def test_a_disk_tier_folder_removed_under_the_server_is_made_again(tmp_path):
     assert _held(store.directory)
     store.close()
     assert not store.directory.exists()
+
+
+def test_reading_an_entry_whose_write_failed_is_no_corrupt_file(tmp_path, monkeypatch):
+    """Before: each later read of a KV entry whose write failed (disk full) counted a corrupt
+    file, though no file was ever written; a real truncated file still counts as corrupt."""
+    import pytest
+    import torch
+    from safetensors import SafetensorError
+
+    from pbkv.cache import Tier
+    from pbkv.engine.hf import kvstore
+    from pbkv.engine.hf.disk import CorruptKV, DiskFile
+    from pbkv.engine.hf.transfer import Worker
+
+    store = kvstore.KVStore(torch.device("cpu"), Worker(), tmp_path)
+    good = DiskFile(store.directory / "kv-1.safetensors", 4, data=torch.zeros(1, 1, 1, 4, 2))
+    store._write(good)
+    real_write = kvstore.write_file
+
+    def full(f):
+        raise SafetensorError("Error while serializing: I/O error: File too large (os error 27)")
+    monkeypatch.setattr(kvstore, "write_file", full)
+    lost = DiskFile(store.directory / "kv-0.safetensors", 4, data=torch.zeros(1, 1, 1, 4, 2))
+    store._write(lost)
+    monkeypatch.setattr(kvstore, "write_file", real_write)
+    for _ in range(2):
+        with pytest.raises(CorruptKV, match="write failed"):
+            store.read(kvstore.KV(Tier.DISK, 4, file=lost))
+    assert (store.stats.write_errors, store.stats.corrupt) == (1, 0)
+    good.path.write_bytes(good.path.read_bytes()[:-8])   # truncated: a corrupt file
+    with pytest.raises(CorruptKV):
+        store.read(kvstore.KV(Tier.DISK, 4, file=good))
+    assert (store.stats.write_errors, store.stats.corrupt) == (1, 1)
+    store.close()
+
+
+def test_a_plot_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """Before: `error: [Errno 27] File too large`, naming no file."""
+    import errno
+
+    import pytest
+    from matplotlib.figure import Figure
+
+    from pbkv.bench import report
+
+    def too_large(self, path, **kw):
+        raise OSError(errno.EFBIG, "File too large")
+    monkeypatch.setattr(Figure, "savefig", too_large)
+    records = [{"workload": "hover", "policy": "lru", "concurrency": 2, "device_tokens": 100,
+                "mean_workflow_latency_s": 1.0, "device_hit_rate": 0.5}]
+    with pytest.raises(OSError) as e:
+        report.write_plots(records, tmp_path)
+    assert str(e.value) == f"{tmp_path / 'hover.png'}: cannot write (File too large)"

@@ -89,6 +89,7 @@ class HFSetup(EngineSetup):
             "bytes_loaded": kv * (s.loaded_tokens[Tier.HOST] + s.loaded_tokens[Tier.DISK]),
             "load_waits": s.load_waits, "recompute_instead_of_load": s.recompute_instead_of_load,
             "failed_loads": s.failed_loads, "corrupt_files": engine.store.stats.corrupt,
+            "disk_write_errors": engine.store.stats.write_errors,
             "disk_files_written": engine.store.stats.files_written, "peak_rss_mb": peak_rss_mb(),
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -180,9 +181,21 @@ def print_whole(console: Console, table: Table) -> None:
 def write_json(data, path: Path) -> Path:
     """Write `data` as indented JSON (numpy scalars as floats); the file appears whole or not at
     all (a killed run leaves no half JSON)."""
-    with replaced_on_success(path) as tmp:
+    with _naming(path), replaced_on_success(path) as tmp:
         tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
     return path
+
+
+@contextmanager
+def _naming(path: Path):
+    """An OSError writing `path` that names no file (a full disk, `[Errno 27] File too large`)
+    is raised again naming it: `pbkv bench`'s one error line then says which file failed."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(f"{path}: cannot write ({e.strerror or e})") from e
 
 
 def _line_of(r: dict) -> tuple:
@@ -288,6 +301,9 @@ def _save(plt, fig, axes, path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with _naming(path):
+            fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
     return path

@@ -40,7 +40,8 @@ RECORD_KEYS = ("workload", "policy", "concurrency", "pressure", "tiers", "engine
                # real engine (--engine hf) only
                "model", "scale", "wall_seconds", "idle_skipped_seconds", "computed_tokens", "prefill_seconds",
                "decode_seconds", "loaded_host_tokens", "loaded_disk_tokens", "load_waits",
-               "recompute_instead_of_load", "failed_loads", "corrupt_files", "failed_calls", "disk_files_written", "peak_rss_mb",
+               "recompute_instead_of_load", "failed_loads", "corrupt_files",
+               "disk_write_errors", "failed_calls", "disk_files_written", "peak_rss_mb",
                # vLLM (--engine vllm) only
                "skipped_calls", "vllm_hit_tokens", "ram_hit_tokens", "disk_hit_tokens", "demoted_blocks",
                # several simulated instances behind a router (--instances / --router) only

@@ -67,7 +67,8 @@ class StoreStats:
     bytes_written: int = 0
     write_errors: int = 0
     folder_remade: int = 0             # times the store's folder was gone at a write (made again)
-    corrupt: int = 0                   # disk reads refused (checksum, truncation, missing file)
+    corrupt: int = 0                   # disk reads refused (checksum, truncation, missing file);
+                                       # not reads of an entry whose write failed (`write_errors`)
     read_seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])   # by source tier
     read_bytes: list[int] = field(default_factory=lambda: [0, 0, 0])
 
@@ -268,7 +269,8 @@ class KVStore:
         try:
             return read_file(f)
         except CorruptKV:
-            self._corrupt()
+            if f.error is None:   # a failed write is counted once, in `write_errors`, not as a corrupt file
+                self._corrupt()
             raise
 
     def _corrupt(self) -> None:
