@@ -187,3 +187,18 @@ def test_bench_hf_refuses_every_pressure_but_auto(tmp_path):
         assert (f"error: --pressure {pressure}: sizes the simulator's memory; with --engine hf give "
                 f"--device-tokens") in " ".join(r.output.split())
         assert "training" not in r.output and not (tmp_path / "bench.json").exists()
+
+
+def test_bench_hf_device_below_the_largest_scaled_call_fails_before_training(tmp_path, monkeypatch):
+    """Before: the capacity error came only after the predictors were trained (minutes)."""
+    from pbkv.bench import predictors
+
+    def never(*a, **kw):
+        raise AssertionError("trained before checking --device-tokens")
+    monkeypatch.setattr(predictors, "prepare", never)
+    r = CliRunner().invoke(app, ["bench", "--engine", "hf", "--model", "tiny", "--workload", "hover",
+                                 "--workflows", "3", "--concurrency", "2", "--policies", "pbkv", "--scale", "16",
+                                 "--device-tokens", "200", "--out", str(tmp_path), "--jobs", "1"])
+    assert r.exit_code == 2, r.output
+    assert ("error: hover: call hover-0-00001 step 5 needs 208 tokens, more than the device capacity of 200; "
+            "raise --device-tokens") in " ".join(r.output.split())

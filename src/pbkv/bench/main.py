@@ -97,6 +97,9 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             check_arrivals(workload.workflows, name)
         if args.engine == "sim" and args.cache.device_tokens is not None:
             check_fits(workload, args.cache.device_tokens)   # before training, not minutes into the run
+        elif args.engine == "hf" and args.cache.device_tokens is not None:   # the scaled calls, as run_hf runs them
+            from pbkv.bench.hf_run import HFConfig, scale_workload
+            check_fits(scale_workload(workload, args.hf or HFConfig()), args.cache.device_tokens)
     for line in check_given_predictor(args, trained):
         console.print(line, markup=False, highlight=False)
     for note in pressure_notes(args):   # a clamped --pressure runs more memory than asked: say so
