@@ -156,3 +156,20 @@ def test_bench_refuses_a_disk_tier_below_no_host_tier(tmp_path):
     assert r.exit_code != 0, r.output
     assert "--disk-tokens 5000 with --host-tokens 0" in " ".join(r.output.split()), r.output
     assert not (tmp_path / "bench.json").exists()
+
+
+def test_a_second_run_into_the_same_out_removes_the_first_runs_plots(tmp_path):
+    """Before: hover.png of an earlier run stayed beside a bench.json holding only swe."""
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    args = ["bench", "--workflows", "4", "--concurrency", "2", "--policies", "lru", "--out", str(tmp_path),
+            "--jobs", "1"]
+    assert CliRunner().invoke(app, [*args, "--workload", "hover"]).exit_code == 0
+    (tmp_path / "notes.png").write_text("a user's file")   # not a plot of bench.json's workloads: kept
+    assert (tmp_path / "hover.png").is_file()
+    r = CliRunner().invoke(app, [*args, "--workload", "swe"])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json", "notes.png", "swe.png"]
+    want = f"removed an earlier run's plots (not of this run's workloads): {tmp_path / 'hover.png'}"
+    assert "".join(want.split()) in "".join(r.output.split())

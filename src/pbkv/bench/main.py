@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pbkv.bench import predictors as predictors_mod
-from pbkv.bench.report import print_tables, write_json, write_plots
+from pbkv.bench.report import earlier_plots, print_tables, remove_plots, write_json, write_plots
 from pbkv.bench.regimes import check_tiers
 from pbkv.bench.runner import check_fits
 from pbkv.bench.verdict import verdicts
@@ -130,9 +130,14 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
                       "(pbkv.bench.samples); --samples 3 shows each speedup's range", highlight=False)
     # OUT/bench.json always (beside the plots, so no earlier run's figures stay next to them), and
     # --json too when given
+    earlier = earlier_plots(args.out)   # an earlier run's plots in OUT, by its bench.json
     paths = [write_json(records, p) for p in dict.fromkeys([args.out / "bench.json", args.json_path]) if p]
     plots = write_plots(records, args.out)
+    removed = remove_plots(earlier, plots)
     console.print("results: " + "\n         ".join(map(str, [*paths, *plots])))
+    if removed:
+        console.print("removed an earlier run's plots (not of this run's workloads): "
+                      + ", ".join(map(str, removed)), markup=False, highlight=False)
     return records
 
 

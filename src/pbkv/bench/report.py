@@ -241,6 +241,32 @@ def write_plots(records: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def earlier_plots(out: Path) -> list[Path]:
+    """The plots an earlier bench run wrote into `out`, by the workloads of its `out/bench.json`
+    (read before this run replaces it): `WORKLOAD.png` and `WORKLOAD-regimes.png` that exist.
+    Nothing when there is no readable bench.json: no other file is taken for bench's."""
+    try:
+        records = json.loads((out / "bench.json").read_text())
+        names = dict.fromkeys(str(r["workload"]) for r in records)
+    except (OSError, ValueError, TypeError, KeyError):
+        return []
+    paths = [out / f"{w}{suffix}.png" for w in names if w and "/" not in w and w not in (".", "..")
+             for suffix in ("", "-regimes")]
+    return [p for p in paths if p.is_file()]
+
+
+def remove_plots(paths: list[Path], keep: list[Path]) -> list[Path]:
+    """Remove `paths` (an earlier run's plots, `earlier_plots`) that this run did not write again
+    (`keep`): they would describe figures bench.json no longer holds. Returns those removed."""
+    kept = {p.resolve() for p in keep}
+    removed = []
+    for p in paths:
+        if p.resolve() not in kept:
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
 def _first_regime(rows: list[dict]) -> list[dict]:
     """The runs of the concurrency plot: at each concurrency, those of its first regime with the
     first run's tiers. An explicit regime is the same at every concurrency; `--pressure auto`
