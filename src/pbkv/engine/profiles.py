@@ -88,6 +88,13 @@ class Profile(BaseModel):
     disk_gbps: float = Field(2.0, ge=RATE_MIN, le=RATE_MAX, description="disk read bandwidth, GB/s")
     disk_latency_ms: float = _ms(1.0)
     step_overhead_ms: float = _ms(2.0, "per forward pass: scheduling, launches, TP sync")
+    decode_request_ms: float | None = Field(
+        None, ge=0, le=MAX_MS,
+        description="an engine that decodes running requests one after another (one forward each, as the HF "
+                    "engine does): the fixed cost of one request's decode forward; its step is then batch x this "
+                    "+ the running contexts' KV at hbm_gbps x decode_bw_eff (no compute term, no "
+                    "step_overhead_ms). None (the default, every built-in profile): a batched decode step, "
+                    "max(compute, memory) + step_overhead_ms")
     max_prefill_tokens: int = Field(16384, gt=0, description="new tokens per prefill batch")
     max_running: int = Field(256, gt=0, description="requests decoding at once")
     host_ratio: float = Field(2.0, ge=0, le=1e6, description="host KV tokens = ratio x device KV tokens")

@@ -4,10 +4,11 @@ Measured (best of `repeats` runs each, one process, the torch thread count as se
 - prefill seconds for new tokens x cached-prefix tokens; fitted by least squares as
   overhead + FLOPs / rate with the cost model's FLOPs (2 x params x new + attention), which gives
   `step_overhead_ms` and an effective FLOP rate (`gpu.tflops`, with `prefill_mfu` = 1);
-- one decode step of one request at a short and a long context: the short one sets the compute
-  term (`decode_mfu`), the long one the memory term (`hbm_gbps` such that weights + that
-  context's KV take its time; `decode_bw_eff` = 1). The real engine decodes running requests one after another, so its step
-  grows linearly with the batch: the simulator's compute term (2 x params x batch) does too;
+- one decode step of one request at a short and a long context. The real engine decodes running
+  requests one after another (a forward, with its fixed cost, per request), so its step is batch x
+  one request's fixed cost + the KV of every running context: the two measurements give that
+  fixed cost (`decode_request_ms`, which puts the simulator in its per-request decode mode) and
+  the cost per context token (`hbm_gbps` = KV bytes per token / it; `decode_bw_eff` = 1);
 - host copy (a RAM tensor copy: the host->device "link" of a CPU run) bandwidth and latency ->
   `pcie_gbps` (`pcie_eff` = 1), `load_latency_ms`;
 - disk read of a KV file as the store reads it (file read, safetensors parse, sha256) ->
@@ -81,6 +82,33 @@ def measure(lm: LoadedModel, max_len: int = 512, repeats: int = 2, seed: int = 0
             "params": sum(p.numel() for p in lm.model.parameters()), "threads": torch.get_num_threads()}
 
 
+def fit_prefill(flops, secs) -> tuple[float, float]:
+    """(overhead seconds, seconds per FLOP) of prefill times `secs` against their FLOPs: least
+    squares `overhead + flops x per_flop`. Where noise makes that fit meaningless (a slope <= 0,
+    or an intercept < 0), the line through the origin instead: no fixed cost, the rate the
+    measurements give on their own (an intercept kept from the failed fit would lie above every
+    measured prefill)."""
+    flops, secs = np.asarray(flops, dtype=float), np.asarray(secs, dtype=float)
+    (overhead, per_flop), *_ = np.linalg.lstsq(np.stack([np.ones_like(flops), flops], 1), secs, rcond=None)
+    if per_flop <= 0 or overhead < 0:
+        overhead, per_flop = 0.0, float(flops @ secs / (flops @ flops))
+    return float(overhead), max(float(per_flop), 1e-30)
+
+
+def fit_decode(decode: list[dict], kv_token: int) -> tuple[float, float]:
+    """(seconds per request, HBM GB/s) of the simulator's per-request decode step
+    (`decode_request_ms`) fitted to one-request decode steps `decode` (context, seconds) at a short
+    and a long context: the real engine runs one forward per running request, so a step of a batch
+    costs batch x the fixed per-request cost + the KV of all running contexts at the bandwidth; the
+    two measurements give both (a step shorter at the longer context: no context term)."""
+    short, long = decode[0], decode[-1]
+    extra = long["context"] - short["context"]
+    per_token = (long["seconds"] - short["seconds"]) / extra if extra > 0 else 0.0
+    hbm = 1e4 if per_token <= 0 else min(1e4, kv_token / per_token / 1e9)
+    request = short["seconds"] - kv_token * short["context"] / (hbm * 1e9)
+    return max(1e-9, request), hbm
+
+
 def to_profile(lm: LoadedModel, m: dict, name: str, device_tokens: int = 16384) -> dict:
     """A `pbkv.engine.profiles.Profile` JSON object fitted to measurements `m`."""
     cfg = lm.model.config
@@ -88,31 +116,30 @@ def to_profile(lm: LoadedModel, m: dict, name: str, device_tokens: int = 16384) 
     attn = 4 * lm.layers * heads * lm.head_dim
     flops = np.array([2 * params * p["new"] + attn * p["new"] * (p["cached"] + p["new"] / 2) for p in m["prefill"]])
     secs = np.array([p["seconds"] for p in m["prefill"]])
-    (overhead, per_flop), *_ = np.linalg.lstsq(np.stack([np.ones_like(flops), flops], 1), secs, rcond=None)
-    overhead = max(0.0, float(overhead))
-    if per_flop <= 0:  # noise-dominated (a tiny model): fall back to the largest run's average rate
-        per_flop = float(secs.max() / flops[secs.argmax()])
+    overhead, per_flop = fit_prefill(flops, secs)
     rate = 1.0 / per_flop
-    short, long = m["decode"]
-    dec = max(1e-6, short["seconds"] - overhead)
+    misfit = float(np.max(np.abs((overhead + flops * per_flop) / secs - 1)))
+    short, long = m["decode"][0], m["decode"][-1]
     dtype_bytes = torch.finfo(lm.dtype).bits // 8
     kv_token = lm.kv_bytes_per_token
     weights = params * dtype_bytes
-    # the simulator's step is max(compute, memory): compute (linear in the batch) matches the short
-    # context, memory ((weights + KV of the context) / bandwidth) matches the long one
-    hbm = min(1e4, (weights + kv_token * long["context"]) / max(1e-6, long["seconds"] - overhead) / 1e9)
+    # the real engine decodes running requests one after another, one forward each: the simulator's
+    # step is batch x the fixed per-request cost + the running contexts' KV at `hbm` (decode_request_ms)
+    request, hbm = fit_decode(m["decode"], kv_token)
     memory_gib = (weights + device_tokens * kv_token) / GIB
     host_gbps = m["kv_bytes"] / max(1e-9, m["host"]["big"] - m["host"]["small"]) / 1e9
     disk_gbps = m["kv_bytes"] / max(1e-9, m["disk"]["big"] - m["disk"]["small"]) / 1e9
-    decode_mfu = min(1.0, 2 * params / dec / rate)
+    decode_mfu = min(1.0, 2 * params / request / rate)
     return {
         "name": name,
         "description": f"Measured by `pbkv calibrate` on this machine: {lm.name} ({params / 1e6:.1f} M params, "
                        f"{lm.dtype}) on {lm.device}, {m['threads']} torch threads.",
         "sources": [
-            f"prefill: {len(secs)} runs fitted as {overhead * 1e3:.2f} ms + FLOPs / {rate / 1e9:.2f} GFLOP/s",
+            f"prefill: {len(secs)} runs fitted as {overhead * 1e3:.2f} ms + FLOPs / {rate / 1e9:.2f} GFLOP/s "
+            f"(worst run off by {100 * misfit:.0f}%)",
             f"decode step, one request: {short['seconds'] * 1e3:.2f} ms at {short['context']} tokens of context, "
-            f"{long['seconds'] * 1e3:.2f} ms at {long['context']}",
+            f"{long['seconds'] * 1e3:.2f} ms at {long['context']}; fitted as batch x {request * 1e3:.3f} ms + "
+            f"context KV at {hbm:.3g} GB/s",
             f"host copy: {host_gbps:.2f} GB/s, {m['host']['small'] * 1e3:.3f} ms latency; disk read + sha256: "
             f"{disk_gbps:.2f} GB/s, {m['disk']['small'] * 1e3:.3f} ms latency",
             "raw: " + json.dumps(m),
@@ -125,6 +152,6 @@ def to_profile(lm: LoadedModel, m: dict, name: str, device_tokens: int = 16384) 
         "prefill_mfu": 1.0, "decode_mfu": max(1e-6, decode_mfu), "decode_bw_eff": 1.0, "pcie_eff": 1.0,
         "load_latency_ms": m["host"]["small"] * 1e3, "disk_gbps": disk_gbps,
         "disk_latency_ms": max(0.0, m["disk"]["small"] - m["host"]["small"]) * 1e3,
-        "step_overhead_ms": overhead * 1e3, "max_prefill_tokens": 1, "max_running": 64,
+        "step_overhead_ms": overhead * 1e3, "decode_request_ms": request * 1e3, "max_prefill_tokens": 1, "max_running": 64,
         "host_ratio": 2.0, "disk_tokens": 0,
     }
