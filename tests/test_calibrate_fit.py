@@ -93,6 +93,14 @@ def test_a_noise_dominated_prefill_fit_has_no_overhead_and_stays_near_the_measur
     per_flop = sum(f * p["seconds"] for f, p in zip(flops, NOISY_PREFILL)) / sum(f * f for f in flops)
     assert predicted == pytest.approx([f * per_flop for f in flops], rel=1e-9)
     assert any("worst run off by" in s for s in prof.sources)
+    # no fit of a fixed cost + FLOPs / rate is within 2x of these (the most work measured fastest):
+    # the profile says so, and `pbkv calibrate` prints it
+    assert any(s.startswith("warning: the prefill timings are noise-dominated") for s in prof.sources)
+
+
+def test_a_clean_prefill_fit_has_no_warning():
+    m = measured(CLEAN_PREFILL, [{"context": 16, "seconds": 0.47e-3}, {"context": 512, "seconds": 0.9e-3}])
+    assert not any(s.startswith("warning") for s in to_profile(fake_lm(), m, "x")["sources"])
 
 
 def test_a_negative_prefill_intercept_refits_through_the_origin():

@@ -34,6 +34,7 @@ from pbkv.engine.hf.kvstore import tensor_sha256
 from pbkv.engine.hf.model import LoadedModel, cache_to_kv, forward, make_cache
 
 GIB = 1024 ** 3
+MISFIT_WARN = 0.5  # the profile's sources carry a warning when the prefill fit is off by more on a run
 
 
 def _best(fn, repeats: int) -> float:
@@ -142,6 +143,10 @@ def to_profile(lm: LoadedModel, m: dict, name: str, device_tokens: int = 16384) 
             f"context KV at {hbm:.3g} GB/s",
             f"host copy: {host_gbps:.2f} GB/s, {m['host']['small'] * 1e3:.3f} ms latency; disk read + sha256: "
             f"{disk_gbps:.2f} GB/s, {m['disk']['small'] * 1e3:.3f} ms latency",
+            *([f"warning: the prefill timings are noise-dominated (the fit is off by {100 * misfit:.0f}% on one "
+               f"run{'; a longer prefill measured faster, so no fixed cost was fitted' if overhead == 0 else ''}): "
+               f"measure on a quiet machine, with more --repeats or a longer --max-len"]
+              if misfit > MISFIT_WARN else []),
             "raw: " + json.dumps(m),
         ],
         "model": {"name": lm.name, "params_b": params / 1e9, "layers": lm.layers, "heads": heads,
