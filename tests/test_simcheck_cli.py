@@ -125,7 +125,7 @@ def test_identical_work_gets_no_speedup_check_whatever_the_real_noise():
                                          row("oracle", 1.76)])
     assert not any(line.startswith("FAIL") for line in lines), lines
     assert lines[2].startswith("-- speedups over lru not compared: all policies did identical work"), lines
-    assert len(lines) == 3
+    assert len(lines) == 4 and lines[3].startswith("PASS same work on both engines"), lines
     # one policy with the same work as lru: only its line is skipped
     other = {**row("pbkv", 2.6), "sim_recomputed_tokens": 60, "sim_mean_workflow_latency_s": 1.5}
     lines = pbkv.bench.simcheck.verdict([row("lru", 2.83), row("kvflow", 2.58), other])

@@ -20,7 +20,7 @@ from pbkv.bench.hf_run import HFConfig, get_model, hf_capacities, run_hf, scale_
 from pbkv.bench.regimes import distinct_prompt_tokens, largest_call, pressure_device
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.bench.sweep import Source, load_workload
-from pbkv.cache import CacheConfig
+from pbkv.cache import CacheConfig, Capacities
 from pbkv.engine.profiles import load_profile, profile_from_data
 from pbkv.files import replaced_on_success
 
@@ -63,6 +63,8 @@ def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: H
     paths = predictors_mod.prepare([source], policies, predictor, out / "models")
     predictors = {variant: predictors_mod.load(path) for (_, variant), path in paths.items()}
     prof = load_profile(profile)
+    check_load_rule(hf.load_rule, hf_capacities(scaled, RunConfig(policy=policies[0], concurrency=concurrency,
+                                                                   profile=prof, cache=cache)))
     rows = []
     for policy in policies:
         run = RunConfig(policy=policy, concurrency=concurrency, profile=prof, predictors=predictors, cache=cache)
@@ -76,6 +78,18 @@ def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: H
         if progress:
             progress(row)
     return rows
+
+
+def check_load_rule(load_rule: str, c: Capacities) -> None:
+    """A ValueError when the two engines would do different work by rule: the simulator has no load
+    rule (it always loads a host/disk prefix back), so with a host or disk tier the real engine's
+    `--load-rule recompute` (never load) recomputes what the simulator loads (before, every check
+    still said PASS on that). `auto` may also recompute: `work_check` compares what was done."""
+    if load_rule == "recompute" and (c.host or c.disk):
+        raise ValueError(f"--load-rule recompute: the simulator always loads host/disk prefixes back (it has no "
+                         f"load rule), so with a host or disk tier (host {c.host:,}, disk {c.disk:,} tokens) the two "
+                         f"engines would do different work; use --load-rule load (or auto), or --host-tokens 0 "
+                         f"--disk-tokens 0")
 
 
 PRESSURE = 0.3   # the default device: this fraction of the scaled workload's distinct prompt tokens
@@ -151,7 +165,40 @@ def verdict(rows: list[dict], tolerance: float = 0.15, tie: float = TIE) -> list
             ok = "PASS" if abs(real / sim - 1) <= tolerance else "FAIL"
             lines.append(f"{ok} {r['policy']} speedup over lru: real {real:.3f}x, simulated {sim:.3f}x "
                          f"({100 * (real / sim - 1):+.1f}%, tolerance {100 * tolerance:.0f}%)")
+    line = work_check(rows, tolerance)
+    if line:
+        lines.append(line)
     return lines
+
+
+HIT_TOLERANCE = 0.05  # hit rates of the two engines within 5 points: the same work
+
+
+def work_check(rows: list[dict], tolerance: float = 0.15, hits: float = HIT_TOLERANCE) -> str | None:
+    """Did each policy do the same work on both engines: recomputed tokens within `tolerance`
+    (|real / simulated - 1|) and each tier's hit rate within `hits` (absolute)? A PASS or FAIL line naming what
+    differs (None when the rows carry none of these figures). Without it, engines doing different
+    work (e.g. the real one recomputing host/disk prefixes the simulator loads) could PASS every
+    rank and speedup check."""
+    wrong, seen = [], False
+    for r in rows:
+        for key in WORK:
+            a, b = r.get(f"real_{key}"), r.get(f"sim_{key}")
+            if a is None or b is None:
+                continue
+            seen = True
+            if key == "recomputed_tokens":
+                if abs(a - b) > tolerance * abs(b) or (b == 0 and a != 0):
+                    wrong.append(f"{r['policy']} recomputed tokens real {a:,} / simulated {b:,} "
+                                 f"({100 * (a / b - 1) if b else float('inf'):+.0f}%)")
+            elif abs(a - b) > hits:
+                wrong.append(f"{r['policy']} {key.split('_')[0]} hits real {100 * a:.1f}% / simulated {100 * b:.1f}%")
+    if not seen:
+        return None
+    if wrong:
+        return "FAIL same work on both engines: " + "; ".join(wrong)
+    return (f"PASS same work on both engines: recomputed tokens within {100 * tolerance:.0f}%, "
+            f"hit rates within {100 * hits:.0f} points")
 
 
 WORK = ("device_hit_rate", "host_hit_rate", "disk_hit_rate", "recomputed_tokens")

@@ -60,9 +60,9 @@ def simcheck(
     from pbkv.bench.report import print_whole
     from pbkv.bench.simcheck import calibrate as run_calibrate
     from pbkv.bench.simcheck import simcheck as run_simcheck
-    from pbkv.bench.simcheck import table, verdict
+    from pbkv.bench.simcheck import check_load_rule, table, verdict
     from pbkv.bench.sweep import load_workload, source_from_arg
-    from pbkv.cache import CacheConfig
+    from pbkv.cache import CacheConfig, Capacities
     from pbkv.engine.profiles import load_profile
 
     hf = hf_config(model, scale, output_scale, load_rule, threads, seed)
@@ -75,6 +75,8 @@ def simcheck(
         fail(f"--workflows applies to generated workloads; {workload} is a trace, replayed whole "
              f"({replayed} workflows)")
     with exit_on_error():
+        # given host/disk tiers: refused before calibrating (unset ones are checked once sized)
+        check_load_rule(load_rule, Capacities(1, host_tokens or 0, disk_tokens or 0))
         if profile is not None:
             load_profile(profile)  # a bad --profile fails now, not after training predictors
         else:
@@ -89,6 +91,9 @@ def simcheck(
                                + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
                                f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
                                f"disk {first['disk_tokens']:,}"))
+    if load_rule == "auto" and (first["host_tokens"] or first["disk_tokens"]):
+        console.print("note: the simulator always loads host/disk prefixes back; the real engine (--load-rule "
+                      "auto) recomputes one when it estimates that faster (--load-rule load: both load)")
     out.mkdir(parents=True, exist_ok=True)
     for line in verdict(rows):
         console.print(line)
