@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save_file
 
@@ -46,34 +48,69 @@ def _best(fn, repeats: int) -> float:
     return min(out)
 
 
+DECODE_STEPS = 4  # decode steps timed after each context: positions up to max_len + DECODE_STEPS
+
+
+def check_max_len(lm: LoadedModel, max_len: int) -> None:
+    """A ValueError unless the model has positions for everything `measure` runs (`max_len` of
+    context, then DECODE_STEPS decode steps): past them a model fails deep in torch (an
+    IndexError on GPT-2's position table) after minutes of measuring."""
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and max_len + DECODE_STEPS > limit:
+        raise ValueError(f"--max-len {max_len}: the model {lm.name} has {limit} positions (max_position_embeddings) "
+                         f"and calibrate decodes {DECODE_STEPS} tokens past --max-len: give --max-len "
+                         f"{limit - DECODE_STEPS} or less")
+
+
+@contextmanager
+def disk_test_files(big: torch.Tensor, small: torch.Tensor):
+    """(big, small): two KV files written into a new temporary folder (removed on exit), for
+    timing disk reads. An OSError naming the folder when they cannot be written (a full disk, an
+    unwritable $TMPDIR); `measure` writes them before timing anything, so that fails at once."""
+    try:
+        folder = tempfile.TemporaryDirectory(prefix="pbkv-calibrate-")
+    except OSError as e:
+        raise OSError(f"calibrate: cannot make a temporary folder for its disk-read test files (set by $TMPDIR): "
+                      f"{e}") from None
+    with folder as d:
+        paths = Path(d) / "big.safetensors", Path(d) / "small.safetensors"
+        try:
+            for path, kv in zip(paths, (big, small)):
+                save_file({"kv": kv.cpu()}, str(path))
+        except (OSError, SafetensorError) as e:
+            raise OSError(f"calibrate: cannot write its disk-read test files ({big.numel() * big.element_size():,} "
+                          f"bytes) in the temporary folder {d} (set by $TMPDIR): {e}") from None
+        yield paths
+
+
 def measure(lm: LoadedModel, max_len: int = 512, repeats: int = 2, seed: int = 0) -> dict:
-    """Raw timings on this machine (seconds, bytes); see the module docstring."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(lm.vocab_size // 8, lm.vocab_size, (max_len + 8,), generator=g).tolist()
-    forward(lm, ids[:16], make_cache(None))  # warm-up
-    prefill = []
-    for cached in (0, max_len // 2):
-        past = forward(lm, ids[:cached], make_cache(None))[2] if cached else None
-        kv = cache_to_kv(past) if past is not None else None
-        for new in sorted({max(8, max_len // 8), max_len // 4, max_len // 2}):
-            sec = _best(lambda: forward(lm, ids[cached:cached + new], make_cache(kv)), repeats)
-            prefill.append({"new": new, "cached": cached, "seconds": sec})
-    decode = []
-    for ctx in (16, max_len):
-        _, _, cache = forward(lm, ids[:ctx], make_cache(None))
-        kv = cache_to_kv(cache)
-        steps = 4
-        sec = _best(lambda: [forward(lm, [ids[ctx + i]], make_cache(kv)) for i in range(steps)], repeats) / steps
-        decode.append({"context": ctx, "seconds": sec})
+    """Raw timings on this machine (seconds, bytes); see the module docstring. What can fail
+    before the timings end (too few positions for `max_len`, a temporary folder that cannot take
+    the disk test files) is checked first."""
+    check_max_len(lm, max_len)
     kv_big = lm.empty_kv(max_len).normal_()
     kv_small = lm.empty_kv(1).normal_()
-    nbytes = kv_big.numel() * kv_big.element_size()
-    host_big = _best(lambda: kv_big.to("cpu", copy=True), repeats + 2)
-    host_small = _best(lambda: kv_small.to("cpu", copy=True), repeats + 2)
-    with tempfile.TemporaryDirectory(prefix="pbkv-calibrate-") as d:
-        big, small = Path(d) / "big.safetensors", Path(d) / "small.safetensors"
-        save_file({"kv": kv_big.cpu()}, str(big))
-        save_file({"kv": kv_small.cpu()}, str(small))
+    with disk_test_files(kv_big, kv_small) as (big, small):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(lm.vocab_size // 8, lm.vocab_size, (max_len + 8,), generator=g).tolist()
+        forward(lm, ids[:16], make_cache(None))  # warm-up
+        prefill = []
+        for cached in (0, max_len // 2):
+            past = forward(lm, ids[:cached], make_cache(None))[2] if cached else None
+            kv = cache_to_kv(past) if past is not None else None
+            for new in sorted({max(8, max_len // 8), max_len // 4, max_len // 2}):
+                sec = _best(lambda: forward(lm, ids[cached:cached + new], make_cache(kv)), repeats)
+                prefill.append({"new": new, "cached": cached, "seconds": sec})
+        decode = []
+        for ctx in (16, max_len):
+            _, _, cache = forward(lm, ids[:ctx], make_cache(None))
+            kv = cache_to_kv(cache)
+            steps = DECODE_STEPS
+            sec = _best(lambda: [forward(lm, [ids[ctx + i]], make_cache(kv)) for i in range(steps)], repeats) / steps
+            decode.append({"context": ctx, "seconds": sec})
+        nbytes = kv_big.numel() * kv_big.element_size()
+        host_big = _best(lambda: kv_big.to("cpu", copy=True), repeats + 2)
+        host_small = _best(lambda: kv_small.to("cpu", copy=True), repeats + 2)
 
         def read(p: Path):
             tensor_sha256(st_load(p.read_bytes())["kv"])
