@@ -21,7 +21,7 @@ from pbkv.bench.regimes import distinct_prompt_tokens, largest_call, pressure_de
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.bench.sweep import Source, load_workload
 from pbkv.cache import CacheConfig, Capacities
-from pbkv.engine.profiles import load_profile, profile_from_data
+from pbkv.engine.profiles import Profile, load_profile, profile_from_data
 from pbkv.files import replaced_on_success
 
 COMPARED = [("mean_workflow_latency_s", "lat s", False), ("mean_ttft_s", "TTFT s", False),
@@ -55,8 +55,10 @@ def check_profile_output(output: Path) -> None:
 
 
 def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: HFConfig, profile: str,
-             cache: CacheConfig, predictor: predictors_mod.PredictorSource, out: Path, progress=None) -> list[dict]:
-    """Per policy, a record with `real_<key>` and `sim_<key>` for the figures in COMPARED."""
+             cache: CacheConfig, predictor: predictors_mod.PredictorSource, out: Path, progress=None,
+             note=None) -> list[dict]:
+    """Per policy, a record with `real_<key>` and `sim_<key>` for the figures in COMPARED.
+    `note(line)` hears a warning when the profile is another model's (`shape_mismatch`)."""
     workload = load_workload(source)
     scaled = scale_workload(workload, hf)
     cache = pressured(cache, scaled)
@@ -65,6 +67,9 @@ def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: H
     prof = load_profile(profile)
     check_load_rule(hf.load_rule, hf_capacities(scaled, RunConfig(policy=policies[0], concurrency=concurrency,
                                                                    profile=prof, cache=cache)))
+    mismatch = shape_mismatch(prof, model_shape(get_model(hf)))
+    if mismatch and note:
+        note(mismatch)
     rows = []
     for policy in policies:
         run = RunConfig(policy=policy, concurrency=concurrency, profile=prof, predictors=predictors, cache=cache)
@@ -78,6 +83,36 @@ def simcheck(source: Source, policies: list[str], concurrency: int | None, hf: H
         if progress:
             progress(row)
     return rows
+
+
+SHAPE = ("layers", "heads", "kv_heads", "head_dim", "dtype_bytes")
+
+
+def model_shape(lm) -> dict:
+    """The loaded model's shape as a profile's `model` names it (`ModelShape`)."""
+    import torch
+    return {"name": lm.name, "params_b": sum(p.numel() for p in lm.model.parameters()) / 1e9, "layers": lm.layers,
+            "heads": lm.model.config.num_attention_heads, "kv_heads": lm.kv_heads, "head_dim": lm.head_dim,
+            "dtype_bytes": torch.finfo(lm.dtype).bits // 8}
+
+
+def shape_mismatch(prof: Profile, shape: dict) -> str | None:
+    """A warning when profile `prof` describes another model than `shape` (`model_shape`): a
+    layer, head or dtype count differs, or the parameters by more than 1%. The simulator's costs
+    and capacities are then another model's, and simcheck compares little."""
+    m = prof.model
+    differs = [k for k in SHAPE if getattr(m, k) != shape[k]]
+    if abs(m.params_b - shape["params_b"]) > 0.01 * max(m.params_b, shape["params_b"]):
+        differs.insert(0, "params")
+
+    def text(x) -> str:
+        return (f"{x['name']}: {x['params_b'] * 1e3:.4g} M params, {x['layers']} layers, {x['heads']} heads, "
+                f"{x['kv_heads']} KV heads x {x['head_dim']}, {x['dtype_bytes']}-byte dtype")
+    if not differs:
+        return None
+    return (f"warning: profile {prof.name} is for another model than the one replayed (they differ in "
+            f"{', '.join(differs)}): {text(m.model_dump())}, replayed {text(shape)}; the simulator's costs and "
+            f"capacities are that model's (pbkv calibrate --model {shape['name']} measures this one)")
 
 
 def check_load_rule(load_rule: str, c: Capacities) -> None:
@@ -112,8 +147,9 @@ def pressured(cache: CacheConfig, scaled: Workload) -> CacheConfig:
                    disk_tokens=cache.disk_tokens or 0)
 
 
-def table(rows: list[dict], title: str) -> Table:
-    t = Table(title=title, caption="each figure: real engine / simulator on the calibrated profile")
+def table(rows: list[dict], title: str, profile: str = "the calibrated profile") -> Table:
+    """The figures side by side; the caption names the simulator's `profile`."""
+    t = Table(title=title, caption=f"each figure: real engine / simulator on {profile}")
     t.add_column("policy")
     for _, label, _ in COMPARED:
         t.add_column(label, justify="right", no_wrap=True)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from pbkv.cli.bench import hf_config
 from pbkv.cli.common import (ConcurrencyOpt, DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, LoadRuleOpt, ModelOpt,
@@ -78,19 +79,22 @@ def simcheck(
         # given host/disk tiers: refused before calibrating (unset ones are checked once sized)
         check_load_rule(load_rule, Capacities(1, host_tokens or 0, disk_tokens or 0))
         if profile is not None:
-            load_profile(profile)  # a bad --profile fails now, not after training predictors
+            name = load_profile(profile).name  # a bad --profile fails now, not after training predictors
+            caption = f"profile {name}" + (f" ({profile})" if profile != name else "")
         else:
             profile = str(out / "profile.json")
             console.print(f"calibrating {model} -> {profile}")
             run_calibrate(hf, Path(profile))
+            caption = f"the profile calibrated now ({profile})"
         rows = run_simcheck(source, names, lanes, hf, profile,
                             CacheConfig(device_tokens, host_tokens, disk_tokens), PredictorSource(train=strs(train)),
-                            out, progress=lambda r: console.print(f"  {r['policy']} done"))
+                            out, progress=lambda r: console.print(f"  {r['policy']} done"),
+                            note=lambda line: console.print(escape(line), style="yellow"))
     first = rows[0]
     print_whole(console, table(rows, f"{workload} x{replayed}, concurrency {concurrency}, {model}, scale {scale:g}"
                                + (f" (outputs {output_scale:g})" if output_scale else "") + "; "
                                f"KV tokens device {first['device_tokens']:,}, host {first['host_tokens']:,}, "
-                               f"disk {first['disk_tokens']:,}"))
+                               f"disk {first['disk_tokens']:,}", caption))
     if load_rule == "auto" and (first["host_tokens"] or first["disk_tokens"]):
         console.print("note: the simulator always loads host/disk prefixes back; the real engine (--load-rule "
                       "auto) recomputes one when it estimates that faster (--load-rule load: both load)")
