@@ -3,7 +3,9 @@
 Measured (best of `repeats` runs each, one process, the torch thread count as set):
 - prefill seconds for new tokens x cached-prefix tokens; fitted by least squares as
   overhead + FLOPs / rate with the cost model's FLOPs (2 x params x new + attention), which gives
-  `step_overhead_ms` and an effective FLOP rate (`gpu.tflops`, with `prefill_mfu` = 1);
+  `step_overhead_ms` and an effective FLOP rate (`gpu.tflops`, with `prefill_mfu` = 1); noise that
+  makes that fit meaningless (slope <= 0, intercept < 0) refits it through the origin (`fit_prefill`),
+  and a fit off by more than MISFIT_WARN on a run adds a warning to the profile's sources;
 - one decode step of one request at a short and a long context. The real engine decodes running
   requests one after another (a forward, with its fixed cost, per request), so its step is batch x
   one request's fixed cost + the KV of every running context: the two measurements give that
