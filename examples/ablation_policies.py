@@ -35,13 +35,20 @@ class NoRetired(PBKVPolicy):
 
 class NoStaleness(PBKVPolicy):
     """A workflow's reuse probability of a node is its agents' (no staleness cap): every node of
-    an agent that a workflow will call is taken as read, old conversations included."""
+    an agent that a workflow will call is taken as read, old conversations included.
+
+    Staleness reaches pbkv two ways, and both are switched off: the eviction ranking reads it
+    through `NextUse._read` (each predicted call's chance scaled by the block's state, from
+    `Staleness.state` / `.table`), prefetch through `Staleness.live`. (Before 2026-12-03 only
+    `live` was patched, so this ranked exactly like pbkv.) Staleness still learns its tables;
+    nothing reads them."""
 
     name = "pbkv-nostaleness"
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.next_use.stale.live = lambda workflow, block: 1.0
+        self.next_use._read = lambda workflow, block, mask: None       # the ranking: agent-level only
+        self.next_use.stale.live = lambda workflow, block: 1.0        # prefetch
 
 
 class NoCommon(PBKVPolicy):
