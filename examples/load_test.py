@@ -5,7 +5,11 @@ multi-agent example, and what /metrics shows at the end.
 
 Each cell starts a fresh `pbkv serve` subprocess on a free loopback port (so no cell inherits
 another's cache) and runs the example's workflows (`multi_agent.py`) with N client threads,
-each running workflows back to back.
+each running workflows back to back. A cell's "dev hit" is the device share of the prompt tokens of
+its measured workflows (the /metrics counters after its warm-up subtracted); "recomputed" is the
+share of prompt tokens prefilled anew (/metrics' recomputed tokens: hits from the shared tier,
+`--server-arg=--shared-dir=DIR`, are hits; every cell's server then reads that same DIR, so cells
+do inherit each other's KV through it).
 
     python examples/load_test.py                       # tiny model, about 5 minutes on 2 cores
     python examples/load_test.py --clients 1,8 --final-workflows 50 --json figures.json
@@ -29,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import multi_agent  # noqa: E402  (the example next to this file)
 
 from pbkv.driver.metrics import percentile  # noqa: E402
-from pbkv.serve.metrics import parse  # noqa: E402
+from pbkv.serve.metrics import TIERS, parse  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,20 +68,38 @@ def server(args, extra: list[str] = ()):
         proc.wait(60)
 
 
+def token_counts(m: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens served so far, their hit tokens per tier (device, host, disk, shared) and the
+    recomputed ones, from parsed /metrics counters."""
+    out = {"prompt": m.get("pbkv_prompt_tokens_total", 0.0),
+           "recomputed": m.get("pbkv_cache_recomputed_tokens_total", 0.0)}
+    for t in TIERS:
+        out[t] = m.get(f'pbkv_cache_hit_tokens_total{{tier="{t}"}}', 0.0)
+    return out
+
+
+def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per tier and "recomputed": its share of the prompt tokens served between two snapshots of
+    `token_counts` (0 when none were)."""
+    prompt = after["prompt"] - before["prompt"]
+    return {k: (after[k] - before[k]) / prompt if prompt else 0.0 for k in (*TIERS, "recomputed")}
+
+
 def cell(args, clients: int, hints: bool) -> dict:
     workflows = max(args.min_workflows, args.workflows_per_client * clients)
     with server(args) as url:
         multi_agent.run_many(url + "/v1", args.model, 2, 2, seed=99, hints=hints,
                              max_tokens=args.max_tokens)  # warm-up, not measured
+        before = token_counts(parse(httpx.get(url + "/metrics").text))
         start = time.perf_counter()
         calls = multi_agent.run_many(url + "/v1", args.model, workflows, clients, seed=args.seed, hints=hints,
                                      max_tokens=args.max_tokens)
         wall = time.perf_counter() - start
-        m = parse(httpx.get(url + "/metrics").text)
+        after = token_counts(parse(httpx.get(url + "/metrics").text))
     lat = [c.seconds for c in calls]
     return {"clients": clients, "hints": hints, "workflows": workflows, "calls": len(calls), "seconds": wall,
             "rps": len(calls) / wall, "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
-            "device_hit_rate": m.get('pbkv_cache_hit_rate{tier="device"}', 0.0)}
+            "device_hit_rate": shares(before, after)["device"]}
 
 
 def final_run(args) -> tuple[dict, str]:
@@ -87,10 +109,9 @@ def final_run(args) -> tuple[dict, str]:
                                      seed=args.seed + 1, hints=True, max_tokens=args.max_tokens)
         wall = time.perf_counter() - start
         text = httpx.get(url + "/metrics").text
-    m = parse(text)
-    tiers = {t: m.get(f'pbkv_cache_hit_rate{{tier="{t}"}}', 0.0) for t in ("device", "host", "disk")}
+    share = shares(token_counts({}), token_counts(parse(text)))
     return {"workflows": args.final_workflows, "clients": args.final_clients, "calls": len(calls), "seconds": wall,
-            "hit_rate": tiers, "recomputed_share": 1 - sum(tiers.values())}, text
+            "hit_rate": {t: share[t] for t in TIERS}, "recomputed_share": share["recomputed"]}, text
 
 
 def main() -> None:
@@ -126,7 +147,7 @@ def main() -> None:
     h = final["hit_rate"]
     print(f"\n{final['workflows']} workflows ({final['calls']} calls, {final['clients']} clients, "
           f"{final['seconds']:.0f} s): hit rate device {h['device']:.3f}, host {h['host']:.3f}, "
-          f"disk {h['disk']:.3f}, recomputed {final['recomputed_share']:.3f}")
+          f"disk {h['disk']:.3f}, shared {h['shared']:.3f}, recomputed {final['recomputed_share']:.3f}")
     print("\n/metrics at the end (samples only):")
     print("\n".join(line for line in text.splitlines() if line and not line.startswith("#")
                     and "_bucket" not in line))

@@ -1,0 +1,83 @@
+"""examples/load_test.py without servers: `server`, the example's workflows and /metrics are
+stood in for, so the figures it derives from /metrics can be checked exactly."""
+
+import argparse
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture
+def lt(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    sys.modules.pop("load_test", None)
+    import load_test
+    yield load_test
+    sys.modules.pop("load_test", None)
+
+
+class FakeServer:
+    """Counts like /metrics: each run_many call serves `workflows` workflows of 100 prompt tokens,
+    40 device hits, 10 shared hits and 50 recomputed each (the warm-up: 100 device hits each)."""
+
+    def __init__(self, lt, monkeypatch):
+        self.prompt = self.device = self.shared = self.recomputed = 0
+        self.runs = []
+
+        @contextmanager
+        def server(args, extra=()):
+            self.prompt = self.device = self.shared = self.recomputed = 0
+            yield "http://fake"
+
+        def run_many(url, model, workflows, concurrency=4, seed=0, hints=True, max_tokens=16, **kw):
+            self.runs.append((workflows, seed))
+            self.prompt += 100 * workflows
+            if seed == 99:                       # the warm-up
+                self.device += 100 * workflows
+            else:
+                self.device += 40 * workflows
+                self.shared += 10 * workflows
+                self.recomputed += 50 * workflows
+            return [SimpleNamespace(seconds=0.01 * (i + 1)) for i in range(workflows)]
+
+        def get(url, **kw):
+            text = (f"pbkv_prompt_tokens_total {self.prompt}\n"
+                    f'pbkv_cache_hit_tokens_total{{tier="device"}} {self.device}\n'
+                    f'pbkv_cache_hit_tokens_total{{tier="host"}} 0.0\n'
+                    f'pbkv_cache_hit_tokens_total{{tier="disk"}} 0.0\n'
+                    f'pbkv_cache_hit_tokens_total{{tier="shared"}} {self.shared}\n'
+                    f"pbkv_cache_recomputed_tokens_total {self.recomputed}\n")
+            return SimpleNamespace(text=text, status_code=200)
+
+        monkeypatch.setattr(lt, "server", server)
+        monkeypatch.setattr(lt.multi_agent, "run_many", run_many)
+        monkeypatch.setattr(lt.httpx, "get", get)
+
+
+def args(**kw):
+    base = dict(model="tiny", policy="pbkv", device_tokens=4096, host_tokens=0, disk_tokens=0, threads=1,
+                server_arg=[], min_workflows=4, workflows_per_client=1, seed=0, max_tokens=4,
+                final_workflows=5, final_clients=1, learn_every=50)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_a_cells_device_hit_rate_leaves_out_the_warm_up(lt, monkeypatch):
+    FakeServer(lt, monkeypatch)
+    r = lt.cell(args(), 1, True)
+    # /metrics' own rate would be (2 * 100 + 4 * 40) / 600 = 0.6: the warm-up's all-device hits in it
+    assert r["workflows"] == 4 and r["calls"] == 4
+    assert r["device_hit_rate"] == pytest.approx(0.4)
+
+
+def test_the_final_runs_recomputed_share_counts_shared_hits_as_hits(lt, monkeypatch):
+    FakeServer(lt, monkeypatch)
+    final, _ = lt.final_run(args())
+    assert final["hit_rate"] == pytest.approx({"device": 0.4, "host": 0.0, "disk": 0.0, "shared": 0.1})
+    assert final["recomputed_share"] == pytest.approx(0.5)     # 1 - (device + host + disk) said 0.6
