@@ -114,8 +114,43 @@ def final_run(args) -> tuple[dict, str]:
             "hit_rate": {t: share[t] for t in TIERS}, "recomputed_share": share["recomputed"]}, text
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line naming the option (no usage block), exit 2."""
+        self.exit(2, f"load_test.py: error: {message}\n")
+
+
+def check(ap: argparse.ArgumentParser, args) -> list[int]:
+    """Every argument checked before any server starts (one line naming the option, exit 2);
+    the client counts of the cells."""
+    try:
+        clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    except ValueError:
+        ap.error(f"--clients {args.clients!r}: not a comma-separated list of whole numbers")
+    if not clients or min(clients) < 1:
+        ap.error(f"--clients {args.clients!r}: each cell needs at least 1 client")
+    for opt, least in (("workflows_per_client", 1), ("min_workflows", 0), ("max_tokens", 1), ("device_tokens", 1),
+                       ("host_tokens", 0), ("disk_tokens", 0), ("final_workflows", 1), ("final_clients", 1),
+                       ("learn_every", 1), ("threads", 1)):
+        if getattr(args, opt) < least:
+            ap.error(f"--{opt.replace('_', '-')} {getattr(args, opt)}: must be at least {least}")
+    if args.json is not None and (args.json.is_dir() or not args.json.parent.is_dir()):
+        ap.error(f"--json {args.json}: not a file in an existing folder")
+    return clients
+
+
+def write_json(path: Path | None, rows: list[dict], final: dict | None) -> None:
+    """The figures so far (`final` None until the final run is done), written atomically: a run
+    cut short keeps every cell measured."""
+    if path is None:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"cells": rows, "final": final}, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description="pbkv serve figures (see the module docstring)")
+    ap = Parser(description="pbkv serve figures (see the module docstring)")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--policy", default="pbkv")
     ap.add_argument("--clients", default="1,8,64")
@@ -134,13 +169,15 @@ def main() -> None:
                     help="extra argument for every `pbkv serve` (repeatable), e.g. --server-arg=--no-online")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    cells = check(ap, args)
 
     rows = []
     print(f"{'clients':>7} {'hints':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'dev hit':>8}")
-    for clients in [int(c) for c in args.clients.split(",") if c.strip()]:
+    for clients in cells:
         for hints in (True, False):
             r = cell(args, clients, hints)
             rows.append(r)
+            write_json(args.json, rows, None)
             print(f"{clients:>7} {str(hints):>5} {r['calls']:>6} {r['rps']:>8.1f} {1e3 * r['p50_s']:>8.0f} "
                   f"{1e3 * r['p99_s']:>8.0f} {r['device_hit_rate']:>8.3f}", flush=True)
     final, text = final_run(args)
@@ -151,8 +188,7 @@ def main() -> None:
     print("\n/metrics at the end (samples only):")
     print("\n".join(line for line in text.splitlines() if line and not line.startswith("#")
                     and "_bucket" not in line))
-    if args.json:
-        args.json.write_text(json.dumps({"cells": rows, "final": final}, indent=1) + "\n")
+    write_json(args.json, rows, final)
 
 
 if __name__ == "__main__":

@@ -81,3 +81,37 @@ def test_the_final_runs_recomputed_share_counts_shared_hits_as_hits(lt, monkeypa
     final, _ = lt.final_run(args())
     assert final["hit_rate"] == pytest.approx({"device": 0.4, "host": 0.0, "disk": 0.0, "shared": 0.1})
     assert final["recomputed_share"] == pytest.approx(0.5)     # 1 - (device + host + disk) said 0.6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--learn-every", "0"], "load_test.py: error: --learn-every 0: must be at least 1\n"),
+    (["--clients", "0"], "load_test.py: error: --clients '0': each cell needs at least 1 client\n"),
+    (["--clients", "1,x"], "load_test.py: error: --clients '1,x': not a comma-separated list of whole numbers\n"),
+    (["--final-clients", "0"], "load_test.py: error: --final-clients 0: must be at least 1\n"),
+    (["--max-tokens", "two"], "load_test.py: error: argument --max-tokens: invalid int value: 'two'\n"),
+])
+def test_bad_arguments_are_one_line_before_any_server(lt, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(lt, "server", lambda *a, **k: pytest.fail("a server started"))
+    monkeypatch.setattr(sys, "argv", ["load_test.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        lt.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err == message
+
+
+def test_json_is_written_after_each_cell(lt, monkeypatch, tmp_path, capsys):
+    FakeServer(lt, monkeypatch)
+    out = tmp_path / "figures.json"
+
+    def final_run(args):
+        assert [c["clients"] for c in json.loads(out.read_text())["cells"]] == [1, 1, 2, 2]
+        raise RuntimeError("the final run's server died")
+
+    monkeypatch.setattr(lt, "final_run", final_run)
+    monkeypatch.setattr(sys, "argv", ["load_test.py", "--clients", "1,2", "--min-workflows", "1", "--json", str(out)])
+    with pytest.raises(RuntimeError):
+        lt.main()
+    figures = json.loads(out.read_text())
+    assert figures["final"] is None and len(figures["cells"]) == 4
+    assert figures["cells"][0]["device_hit_rate"] == pytest.approx(0.4)
+    assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]
