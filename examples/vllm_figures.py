@@ -20,7 +20,41 @@ from pathlib import Path
 
 from pbkv.bench.run import Workload
 from pbkv.bench.vllm_run import VLLMConfig, run_policy
+from pbkv.policy.registry import UnknownPolicy, needed_predictor, needs_future
 from pbkv.workloads import generate, load_spec
+
+
+def connector_jobs(policies: str, predictor: str | None) -> list[tuple[str, str | None]]:
+    """(policy, predictor directory handed to the connector) per `--policies` entry, checked before
+    any run (ValueError, one line): the connector refuses a predictor_dir for a policy that reads
+    none (lru, pbkv-retired), so --predictor goes only to the policies whose
+    `needed_predictor` is set, as `pbkv bench --engine vllm` does (sweep.py `_run_one`)."""
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--policies {policies!r}: names no policy")
+    jobs = []
+    for name in names:
+        try:
+            variant = needed_predictor(name)
+            future = needs_future(name)
+        except UnknownPolicy as e:
+            raise ValueError(f"--policies: {e}") from None
+        if future:
+            raise ValueError(f"--policies: {name} reads the replayed trace's future; the connector cannot run it")
+        if variant is not None and predictor is None:
+            raise ValueError(f"--policies: {name} reads a trained predictor; give --predictor DIR "
+                             f"(saved by `pbkv train`)")
+        if variant not in (None, "fused"):
+            raise ValueError(f"--policies: {name} reads the {variant!r} predictor variant; --predictor stands "
+                             f"for the fused one (policy pbkv's)")
+        jobs.append((name, predictor if variant else None))
+    if predictor is not None:
+        if not any(d for _, d in jobs):
+            raise ValueError(f"--predictor {predictor}: none of --policies {','.join(names)} reads a trained "
+                             f"predictor (pbkv does)")
+        if not Path(predictor).is_dir():
+            raise ValueError(f"--predictor {predictor}: not a directory")
+    return jobs
 
 
 def main() -> None:
@@ -38,17 +72,22 @@ def main() -> None:
     ap.add_argument("--disk-tokens", type=int, default=16384)
     ap.add_argument("--policies", default="lru,pbkv-retired",
                     help="connector policies (`pbkv` needs --predictor, a predictor from `pbkv train`)")
-    ap.add_argument("--predictor", help="a predictor directory saved by `pbkv train`")
+    ap.add_argument("--predictor", help="a predictor directory saved by `pbkv train`, handed to the policies "
+                                        "that read one (not lru, pbkv-retired)")
     ap.add_argument("--concurrency", type=int, help="workflows in flight (default: one call at a time)")
     args = ap.parse_args()
+    try:
+        jobs = connector_jobs(args.policies, args.predictor)
+    except ValueError as e:
+        ap.exit(2, f"vllm_figures.py: error: {e}\n")
     # the core lives in pbkv.bench.vllm_run (`pbkv bench --engine vllm`): one child process per setup
     cfg = VLLMConfig(python=sys.executable, model=args.model, scale=args.scale, blocks=args.blocks,
                      host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, max_model_len=args.max_model_len,
                      max_tokens=args.max_tokens, seed=args.seed)
     workload = Workload(args.workload, generate(load_spec(args.workload), args.workflows, args.seed))
     rows = []
-    for policy in ["vllm"] + [p for p in args.policies.split(",") if p]:
-        rows.append(run_policy(workload, policy, args.concurrency, cfg, args.predictor if policy != "vllm" else None))
+    for policy, predictor_dir in [("vllm", None)] + jobs:
+        rows.append(run_policy(workload, policy, args.concurrency, cfg, predictor_dir))
         print(json.dumps(rows[-1]), file=sys.stderr)
     head = ["config", "calls", "prompt tok", "computed", "vLLM hit", "RAM hit", "disk hit", "demoted", "wall s"]
     print(" | ".join(head))
