@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from pbkv.bench.run import Workload
-from pbkv.bench.vllm_run import VLLMConfig, run_policy
+from pbkv.bench.vllm_run import VLLMConfig, VLLMRunError, run_policy
 from pbkv.policy.registry import UnknownPolicy, needed_predictor, needs_future
 from pbkv.workloads import generate, load_spec
 
@@ -59,8 +59,9 @@ def connector_jobs(policies: str, predictor: str | None) -> list[tuple[str, str 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(Path(os.environ.get("PBKV_CACHE", Path.home() / ".cache" / "pbkv"))
-                                           / "smollm2-135m-instruct"))
+    ap.add_argument("--model", help="a Hugging Face model folder (default: pbkv's converted SmolLM2-135M in "
+                                    "$PBKV_CACHE or ~/.cache/pbkv, converted first when it never was, as "
+                                    "`pbkv bench --engine vllm` does)")
     ap.add_argument("--workload", default="hover")
     ap.add_argument("--workflows", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
@@ -76,10 +77,19 @@ def main() -> None:
                                         "that read one (not lru, pbkv-retired)")
     ap.add_argument("--concurrency", type=int, help="workflows in flight (default: one call at a time)")
     args = ap.parse_args()
+    if os.environ.get("PBKV_CACHE") == "":   # empty means unset, as pbkv.bench.predictors.cache_dir reads it
+        del os.environ["PBKV_CACHE"]
     try:
         jobs = connector_jobs(args.policies, args.predictor)
     except ValueError as e:
         ap.exit(2, f"vllm_figures.py: error: {e}\n")
+    try:
+        run_all(args, jobs)
+    except VLLMRunError as e:   # no vLLM venv, no model, a failed run: what to do, not a traceback
+        ap.exit(1, f"vllm_figures.py: {e}\n")
+
+
+def run_all(args, jobs: list[tuple[str, str | None]]) -> None:
     # the core lives in pbkv.bench.vllm_run (`pbkv bench --engine vllm`): one child process per setup
     cfg = VLLMConfig(python=sys.executable, model=args.model, scale=args.scale, blocks=args.blocks,
                      host_tokens=args.host_tokens, disk_tokens=args.disk_tokens, max_model_len=args.max_model_len,

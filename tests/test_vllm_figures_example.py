@@ -57,3 +57,33 @@ def test_policies_and_predictor_are_checked_before_any_run(vf, monkeypatch, caps
         main(vf, monkeypatch, *argv)
     assert e.value.code == 2 and vf.sent == []
     assert capsys.readouterr().err == f"vllm_figures.py: error: {message}\n"
+
+
+def test_default_model_is_left_to_resolve_model_and_empty_pbkv_cache_is_unset(vf, monkeypatch):
+    """The default --model was always a path ($PBKV_CACHE/smollm2-135m-instruct, "" + that with
+    PBKV_CACHE empty), so resolve_model never converted SmolLM2 as `pbkv bench --engine vllm`
+    does. Now it is None (resolve_model's choice), and an empty PBKV_CACHE is taken as unset."""
+    monkeypatch.setenv("PBKV_CACHE", "")
+    seen = []
+    monkeypatch.setattr(vf, "run_policy", lambda wl, policy, conc, cfg, d=None: seen.append(
+        (cfg.model, vf.os.environ.get("PBKV_CACHE"))) or dict(RECORD, policy=policy))
+    main(vf, monkeypatch, "--policies", "lru")
+    assert seen == [(None, None), (None, None)]
+
+
+def test_a_model_that_cannot_be_had_is_one_line(vf, monkeypatch, capsys):
+    import pbkv.bench.vllm_run as vr
+    from pbkv.engine.hf import model as hm
+
+    def no_conversion():
+        raise hm.ModelLoadError("stub: no converter")
+
+    monkeypatch.setattr(vr, "find_python", lambda p: sys.executable)
+    monkeypatch.setattr(hm, "converted_smollm2", no_conversion)
+    monkeypatch.setattr(vf, "run_policy", vr.run_policy)
+    with pytest.raises(SystemExit) as e:
+        main(vf, monkeypatch, "--policies", "lru")
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and len(err.splitlines()) == 1
+    assert err.startswith("vllm_figures.py: --engine vllm runs SmolLM2-135M-Instruct from ")
+    assert "converting it here failed: stub: no converter." in err
