@@ -12,19 +12,20 @@ not a pbkv dependency).
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypedDict
 
+import httpx
 import openai
 from langgraph.graph import END, START, StateGraph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_agent import SPECIALISTS, SYSTEM, TASKS, planned_route  # noqa: E402
+from multi_agent import (SPECIALISTS, SYSTEM, TASKS, Interrupted, Parser, Stopped, at_least,  # noqa: E402
+                         planned_route, run_pool, server_error)
 
 
 class State(TypedDict):
@@ -37,8 +38,11 @@ class State(TypedDict):
     next: str
 
 
-def build_graph(client: openai.OpenAI, model: str, max_tokens: int):
+def build_graph(client: openai.OpenAI, model: str, max_tokens: int, stop: threading.Event | None = None):
+    """The graph; `stop` set (Ctrl-C): a workflow raises `Stopped` before its next call."""
     def chat(state: State, agent: str, last: bool) -> str:
+        if stop is not None and stop.is_set():
+            raise Stopped(state["wid"])
         work = "".join(f"\n[{who}] {text}" for who, text in state["transcript"]) or "\n(nothing yet)"
         r = client.chat.completions.create(
             model=model, max_tokens=max_tokens, temperature=0,
@@ -52,6 +56,9 @@ def build_graph(client: openai.OpenAI, model: str, max_tokens: int):
         answer = chat(state, "router", last).lower()
         named = next((s for s in SPECIALISTS if answer.startswith(s)), None)
         if last or answer.startswith("done"):
+            if not last:   # the model ended early, without workflow_done: say so, as multi_agent.py does
+                httpx.post(f"{str(client.base_url).rstrip('/')}/workflows/{state['wid']}/end",
+                           headers={"Authorization": f"Bearer {client.api_key}"})
             return {"next": "DONE"}
         return {"next": named or state["plan"][state["step"]]}
 
@@ -82,22 +89,36 @@ def run_one(graph, index: int, seed: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--workflows", type=int, default=10)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--workflows", type=at_least(1), default=10)
+    ap.add_argument("--concurrency", type=at_least(1), default=4)
+    ap.add_argument("--max-tokens", type=at_least(1), default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--api-key", default="none")
     args = ap.parse_args()
     client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
-    graph = build_graph(client, args.model, args.max_tokens)
+    stop = threading.Event()
+    graph = build_graph(client, args.model, args.max_tokens, stop)
     start = time.perf_counter()
-    with ThreadPoolExecutor(args.concurrency) as pool:
-        calls = sum(pool.map(lambda i: run_one(graph, i, args.seed), range(args.workflows)))
+    try:   # (run_pool's own stop is not the graph's: each handler below sets the graph's)
+        counts = run_pool(lambda i, _: run_one(graph, i, args.seed), args.workflows, args.concurrency)
+    except Interrupted as e:   # Ctrl-C: the queued workflows were cancelled; report what completed
+        stop.set()
+        counts = e.results
+        print(f"interrupted: {e.completed} of {args.workflows} workflows completed", file=sys.stderr)
+    except Exception as e:
+        stop.set()
+        line = server_error(e, args.base_url)
+        if line is None:
+            raise
+        ap.exit(1, f"{ap.prog}: {line}\n")
     wall = time.perf_counter() - start
-    print(f"{args.workflows} LangGraph workflows, {calls} calls in {wall:.1f} s ({calls / wall:.1f} calls/s)")
+    calls = sum(counts)
+    print(f"{len(counts)} LangGraph workflows, {calls} calls in {wall:.1f} s ({calls / wall:.1f} calls/s)")
+    if len(counts) < args.workflows:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -172,15 +172,14 @@ def main() -> None:
     cells = check(ap, args)
 
     rows = []
-    print(f"{'clients':>7} {'hints':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'dev hit':>8}")
-    for clients in cells:
-        for hints in (True, False):
-            r = cell(args, clients, hints)
-            rows.append(r)
-            write_json(args.json, rows, None)
-            print(f"{clients:>7} {str(hints):>5} {r['calls']:>6} {r['rps']:>8.1f} {1e3 * r['p50_s']:>8.0f} "
-                  f"{1e3 * r['p99_s']:>8.0f} {r['device_hit_rate']:>8.3f}", flush=True)
-    final, text = final_run(args)
+    try:
+        final, text = measure(args, cells, rows)
+    except KeyboardInterrupt:   # Ctrl-C: queued workflows cancelled, servers stopped; what was measured stays
+        kept = f", in {args.json}" if args.json else ""
+        print(f"\ninterrupted: {len(rows)} of {2 * len(cells)} cells measured{kept}; no final run", file=sys.stderr)
+        sys.exit(130)
+    except (httpx.HTTPError, multi_agent.openai.APIError, RuntimeError) as e:
+        sys.exit(f"load_test.py: {e}")
     h = final["hit_rate"]
     print(f"\n{final['workflows']} workflows ({final['calls']} calls, {final['clients']} clients, "
           f"{final['seconds']:.0f} s): hit rate device {h['device']:.3f}, host {h['host']:.3f}, "
@@ -189,6 +188,19 @@ def main() -> None:
     print("\n".join(line for line in text.splitlines() if line and not line.startswith("#")
                     and "_bucket" not in line))
     write_json(args.json, rows, final)
+
+
+def measure(args, cells: list[int], rows: list[dict]) -> tuple[dict, str]:
+    """Every cell (appended to `rows`, --json rewritten after each), then the final run."""
+    print(f"{'clients':>7} {'hints':>5} {'calls':>6} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'dev hit':>8}")
+    for clients in cells:
+        for hints in (True, False):
+            r = cell(args, clients, hints)
+            rows.append(r)
+            write_json(args.json, rows, None)
+            print(f"{clients:>7} {str(hints):>5} {r['calls']:>6} {r['rps']:>8.1f} {1e3 * r['p50_s']:>8.0f} "
+                  f"{1e3 * r['p99_s']:>8.0f} {r['device_hit_rate']:>8.3f}", flush=True)
+    return final_run(args)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ Each call carries the workflow hints in `kv_transfer_params` (through the openai
 """
 
 import argparse
+import sys
 import uuid
 
+import openai
 from openai import OpenAI
 
 AGENTS = ["planner", "researcher", "writer"]
@@ -21,6 +23,15 @@ def main() -> None:
     ap.add_argument("--workflows", type=int, default=3)
     args = ap.parse_args()
     client = OpenAI(base_url=args.base_url, api_key="unused")
+    try:
+        run(client, args)
+    except openai.APIConnectionError as e:   # one line naming the URL, not a traceback
+        sys.exit(f"vllm_client.py: cannot reach the server at {args.base_url}: {e}")
+    except openai.APIStatusError as e:
+        sys.exit(f"vllm_client.py: the server at {args.base_url} answered {e.status_code}: {e.message}")
+
+
+def run(client: OpenAI, args) -> None:
     for _ in range(args.workflows):
         workflow_id = f"task-{uuid.uuid4().hex[:8]}"
         history = [{"role": "system", "content": "You are one agent of a small team."},

@@ -109,9 +109,29 @@ def test_json_is_written_after_each_cell(lt, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(lt, "final_run", final_run)
     monkeypatch.setattr(sys, "argv", ["load_test.py", "--clients", "1,2", "--min-workflows", "1", "--json", str(out)])
-    with pytest.raises(RuntimeError):
+    with pytest.raises(SystemExit) as e:
         lt.main()
+    assert e.value.code == "load_test.py: the final run's server died"
     figures = json.loads(out.read_text())
     assert figures["final"] is None and len(figures["cells"]) == 4
     assert figures["cells"][0]["device_hit_rate"] == pytest.approx(0.4)
     assert [p.name for p in tmp_path.iterdir()] == ["figures.json"]
+
+
+def test_ctrl_c_keeps_the_cells_measured_and_says_so(lt, monkeypatch, tmp_path, capsys):
+    fake = FakeServer(lt, monkeypatch)
+    real = lt.multi_agent.run_many
+
+    def run_many(url, model, workflows, concurrency=4, seed=0, **kw):
+        if len(fake.runs) == 3:              # the second cell's measured run: Ctrl-C
+            raise lt.multi_agent.Interrupted([], 0, workflows)
+        return real(url, model, workflows, concurrency, seed, **kw)
+
+    monkeypatch.setattr(lt.multi_agent, "run_many", run_many)
+    out = tmp_path / "f.json"
+    monkeypatch.setattr(sys, "argv", ["load_test.py", "--clients", "1", "--min-workflows", "1", "--json", str(out)])
+    with pytest.raises(SystemExit) as e:
+        lt.main()
+    assert e.value.code == 130
+    assert capsys.readouterr().err == f"\ninterrupted: 1 of 2 cells measured, in {out}; no final run\n"
+    assert len(json.loads(out.read_text())["cells"]) == 1
