@@ -17,6 +17,10 @@ the hidden task variables' words). Run them beside the built-ins by `module:Clas
   left is the flow's own coin flips (will the tests pass, another hop).
 - `pbkv-perfect` (built in) knows the coin flips too: the true next agents.
 
+One replay must be one built-in generated workload (ids `<spec>-<seed>-<index>`, that spec's
+agents): anything else (workloads mixed in one trace, a spec file's workload, a recorded trace) is
+refused when the policy is built (`replay_spec`: one line naming the workflow id and why).
+
 Turn variables (re-drawn during a workflow, as dialogue's topics) are not modelled: use these on
 workloads whose flow depends on task variables only (hover, swe, finance).
 """
@@ -160,12 +164,49 @@ class SpecBayes:
         return Prediction(self.classes, probs, survival)
 
 
+class SpecMismatch(ValueError):
+    """The replay is not one built-in generated workload: these policies cannot read its spec."""
+
+
+def replay_spec(workflows) -> str:
+    """The one built-in spec that generated every replayed workflow (ids `<spec>-<seed>-<index>`,
+    agents of that spec), checked before any prediction; else `SpecMismatch`, one line naming
+    bayes_policies, the workflow id and the reason."""
+    from pbkv.workloads.spec_files import builtin_names
+    names = builtin_names()
+    spec_name, agents = None, None
+    for calls in workflows:
+        if not calls:
+            continue
+        wid = calls[0].workflow_id
+        parts = str(wid).rsplit("-", 2)
+        why = None
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            why = "not a generated workflow id <spec>-<seed>-<index>"
+        elif parts[0] not in names:
+            why = (f"{parts[0]!r} is not a built-in workload ({', '.join(names)}); a workload generated from a "
+                   f"spec file or a recorded trace has no spec these policies can read")
+        elif spec_name is not None and parts[0] != spec_name:
+            why = (f"from workload {parts[0]!r}, but the replay began with {spec_name!r}; one replay must be "
+                   f"one generated workload")
+        else:
+            if spec_name is None:
+                spec_name, agents = parts[0], set(load_spec(parts[0]).agents)
+            unknown = sorted({c.agent for c in calls} - agents)
+            if unknown:
+                why = f"calls agent(s) {', '.join(unknown)} that spec {spec_name!r} does not have"
+        if why:
+            raise SpecMismatch(f"bayes_policies: workflow {wid!r}: {why}")
+    if spec_name is None:
+        raise SpecMismatch("bayes_policies: the replay has no workflow")
+    return spec_name
+
+
 class _SpecPolicy(PBKVPolicy):
     reads_future = True   # for the workflow ids' spec name; the predictions read no future call
 
     def __init__(self, ctx):
-        spec = ctx.future.workflows[0][0].workflow_id.rsplit("-", 2)[0]
-        bayes = SpecBayes(spec, int(ctx.horizon or 3))
+        bayes = SpecBayes(replay_spec(ctx.future.workflows), int(ctx.horizon or 3))
         super().__init__(replace(ctx, predictors={**ctx.predictors, self.variant: bayes}))
         self.ids: dict[int, str] = {}
 

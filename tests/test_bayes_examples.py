@@ -71,3 +71,44 @@ def test_each_diagnostic_is_pbkv_with_other_predictions_and_runs(bayes, name):
                                      profile=load_profile("a6000-qwen3-32b"), cache=CacheConfig(12000, 12000, 0)))
     assert r["calls"] == sum(map(len, workload.workflows))
     assert 0 < r["recomputed_tokens"] <= r["prompt_tokens"]
+
+
+def _renamed(workflows, name):
+    """The workflows with their ids' spec part renamed (as `pbkv gen` of a spec file names them)."""
+    from dataclasses import replace
+    return [[replace(c, workflow_id=name + "-" + c.workflow_id.split("-", 1)[1]) for c in w] for w in workflows]
+
+
+def test_a_replay_that_is_not_one_built_in_workload_fails_at_construction_in_one_line(bayes):
+    """A trace mixing generated workloads crashed with a bare KeyError (an agent of the second spec
+    looked up in the first's), a spec-file workload with "<name>: not a built-in workload" naming
+    neither the policy nor why; both only once the policy's predictions ran."""
+    hover = Workload("hover", generate(load_spec("hover"), 2, 0)).workflows
+    swe = Workload("swe", generate(load_spec("swe"), 2, 0)).workflows
+    assert bayes.replay_spec(hover) == "hover"
+    with pytest.raises(bayes.SpecMismatch) as e:
+        bayes.replay_spec(hover + swe)
+    assert str(e.value) == ("bayes_policies: workflow 'swe-0-00000': from workload 'swe', but the replay began "
+                            "with 'hover'; one replay must be one generated workload")
+    with pytest.raises(bayes.SpecMismatch) as e:
+        bayes.replay_spec(_renamed(hover, "myhover"))
+    assert str(e.value) == ("bayes_policies: workflow 'myhover-0-00000': 'myhover' is not a built-in workload "
+                            "(dialogue, finance, hover, swe); a workload generated from a spec file or a "
+                            "recorded trace has no spec these policies can read")
+    with pytest.raises(bayes.SpecMismatch) as e:
+        bayes.replay_spec(_renamed(swe, "hover"))
+    assert str(e.value).startswith("bayes_policies: workflow 'hover-0-00000': calls agent(s) ")
+    assert str(e.value).endswith(" that spec 'hover' does not have")
+
+
+def test_the_mixed_replay_is_refused_before_any_call_is_simulated(bayes):
+    spec = load_spec("hover")
+    trace = generate(spec, 2, 0)
+    swe = generate(load_spec("swe"), 1, 0)
+    from dataclasses import replace
+    trace = replace(trace, calls=trace.calls + [replace(c, hash_ids=[h + 10**6 for h in c.hash_ids])
+                                                for c in swe.calls])
+    with pytest.raises(bayes.SpecMismatch, match="^bayes_policies: workflow 'swe-0-00000': from workload 'swe'"):
+        simulate(Workload("mixed", trace), RunConfig(policy="bayes_policies:FromWords", concurrency=4,
+                                                     profile=load_profile("a6000-qwen3-32b"),
+                                                     cache=CacheConfig(12000, 0, 0)))
