@@ -12,11 +12,15 @@ from pbkv.engine.profiles import load_profile
 from pbkv.policy import CallEvent, PolicyContext, make_policy
 
 
-def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, predictor: str | None = None) -> dict:
+def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, predictor: str | None = None,
+              note=None) -> dict:
+    """`note(line)`, before the run, for each note on the replayed agents `predictor` never saw
+    (as `pbkv bench --predictor` prints them)."""
     from pbkv.workloads import generate, load_spec
     spec = load_spec(workload)
     wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
     predictors = _predictors(policy, predictor)
+    _agent_notes(predictors, predictor, wl, note)
     start = time.perf_counter()  # batched predictions (as `pbkv bench` makes them) are timed too
     record = simulate(wl, RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
                                     predictors=predictors))
@@ -25,13 +29,15 @@ def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, pred
 
 
 def policy_overhead(workload: str, policy: str, predictor: str | None, workflows: int, concurrency: int,
-                    cache: CacheConfig) -> dict:
+                    cache: CacheConfig, note=None) -> dict:
     """Wall time of the policy's decisions (live predictions, one per call, on one torch thread)
-    against the simulated makespan of the same run: what the policy would add to serving time."""
+    against the simulated makespan of the same run: what the policy would add to serving time.
+    `note` as for `sim_speed`."""
     from pbkv.workloads import generate, load_spec
     spec = load_spec(workload)
     wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
     predictors = _predictors(policy, predictor)
+    _agent_notes(predictors, predictor, wl, note)
     cfg = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),
                     cache=cache, predictors=predictors, live_predictions=True)
     start = time.perf_counter()
@@ -56,7 +62,34 @@ def _predictors(policy: str, predictor: str | None) -> dict:
     return {variant: loaded}
 
 
+def _agent_notes(predictors: dict, path: str | None, wl: Workload, note) -> None:
+    """`note(line)` when the workload calls agents the given predictor never saw: the line
+    `pbkv bench` prints (`pbkv.bench.predictors.agent_notes`)."""
+    from pbkv.predict.evaluate import unseen_note
+    if note is None or path is None:
+        return
+    for predictor in predictors.values():
+        text = unseen_note(set(predictor.agents), wl.trace)
+        if text:
+            note(f"note: {wl.name}: --predictor {path}: {text}")
+
+
 AGENTS = ["a0", "a1", "a2", "a3", "a4"]
+
+
+def _evict_predictor(policy: str, model: str):
+    """--predictor for `perf evict`: its synthetic workflows call agents a0..a4 only, so a
+    predictor that does not know them all would predict every call as the unknown agent while
+    the figure names it: refused (ValueError)."""
+    loaded = _predictors(policy, model)
+    predictor = next(iter(loaded.values()))
+    unknown = [a for a in AGENTS if a not in set(predictor.agents)]
+    if unknown:
+        raise ValueError(f"--predictor {model}: perf evict's synthetic workflows call agents {', '.join(AGENTS)}, "
+                         f"and this predictor never saw {', '.join(unknown)}: every such prediction would be the "
+                         f"unknown agent's; leave --predictor out (a Markov predictor fitted on the synthetic "
+                         f"workflows is used)")
+    return loaded
 
 
 def evict_speed(nodes: int, policy: str, seed: int = 0, model: str | None = None) -> dict:
@@ -89,14 +122,14 @@ class EvictBench:
 
     def __init__(self, nodes: int, policy: str, seed: int = 0, model: str | None = None):
         from pbkv.policy.registry import needed_predictor, needs_future
+        self.variant = needed_predictor(policy)
+        given = _evict_predictor(policy, model) if self.variant and model else None   # before building
         rng = random.Random(seed)
         self.plan = [(rng.randrange(self.prefixes), *self._slot(i)) for i in range(nodes - self.prefixes + nodes // 10)]
         self.calls = _synthetic_calls(self.plan, self.prefixes, self.block)
         ctx = PolicyContext(block_size=self.block, agent_graph=_graph())
-        self.variant = needed_predictor(policy)
         if self.variant:
-            ctx.predictors = {self.variant: _predictors(policy, model)[self.variant] if model
-                              else _markov(self.calls)}
+            ctx.predictors = {self.variant: given[self.variant] if given else _markov(self.calls)}
         if needs_future(policy):
             from pbkv.policy.future import Future
             ctx.future = Future(self.calls, self.block, self.lanes, lambda c: 1.0)

@@ -26,7 +26,7 @@ def perf_sim(
     lanes = one_concurrency(concurrency)
     model = predictor_arg(policy, predictor)
     with exit_on_error():
-        r = sim_speed(workload, workflows, lanes, policy, model)
+        r = sim_speed(workload, workflows, lanes, policy, model, note=print_note)
     console.print(f"{r['calls']} calls in {r['seconds']:.2f} s: {r['calls_per_minute']:,.0f} calls simulated per minute "
                   f"({workload}, {policy}, concurrency {concurrency}; generation not counted)")
 
@@ -48,7 +48,7 @@ def perf_policy(
     model = predictor_arg(policy, predictor)
     with exit_on_error():
         r = policy_overhead(workload, policy, model, workflows, lanes,
-                            CacheConfig(device_tokens, host_tokens))
+                            CacheConfig(device_tokens, host_tokens), note=print_note)
     console.print(f"{policy} on {workload} (concurrency {concurrency}): {r['policy_seconds']:.2f} s of policy decisions "
                   f"for {r['calls']} calls ({r['us_per_call']:.0f} us per call) in a simulated run of "
                   f"{r['makespan_s']:,.0f} s: {r['overhead'] * 100:.3f}% added")
@@ -56,12 +56,14 @@ def perf_policy(
 
 @perf_app.command("evict")
 def perf_evict(
-    nodes: Annotated[int, typer.Option(min=1100, help="Nodes in the tree.")] = 100_000,
+    nodes: Annotated[int, typer.Option(min=1100, max=10_000_000, help="Nodes in the tree.")] = 100_000,
     policy: PolicyOpt = "lru",
     predictor: PredictorOpt = None,
 ):
     """Eviction cost per evicted node in a tree of NODES nodes with live workflows (target <= 50 us).
-    Predicting policies use --predictor, else a Markov predictor fitted on the synthetic workflows."""
+    Predicting policies use a Markov predictor fitted on the synthetic workflows (agents a0..a4);
+    --predictor DIR only with a predictor that knows those agents (one trained elsewhere would
+    predict every call as the unknown agent: refused)."""
     from pbkv.bench.perf import evict_speed
     model = predictor_arg(policy, predictor)
     with exit_on_error():
@@ -84,5 +86,16 @@ def predictor_arg(policy: str, predictor: Path | None) -> str | None:
         return None
     check_exist(predictor)
     if variant is None:
-        fail(f"--predictor: {policy} uses no predictor (the pbkv policies do); leave --predictor out")
+        fail(f"--predictor: {policy} reads no trained predictor (policies that do: {', '.join(predicting())}); "
+             f"leave --predictor out")
     return str(predictor)
+
+
+def predicting() -> list[str]:
+    """The built-in policies that read a trained predictor (from the registry)."""
+    from pbkv.policy.registry import BUILTIN, needed_predictor
+    return [name for name in BUILTIN if needed_predictor(name)]
+
+
+def print_note(line: str) -> None:
+    console.print(line, markup=False, highlight=False, soft_wrap=True)   # one line: grep finds it whole
