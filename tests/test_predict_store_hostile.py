@@ -206,6 +206,6 @@ def test_serve_refuses_a_predictor_folder_it_would_neither_read_nor_write(predic
         build_policy("pbkv", 16, predictor_dir=tmp_path / "typo", online=False)
     saved = save_predictor(predictor, tmp_path / "p")
     for policy in ("lru", "kvflow"):
-        with pytest.raises(ValueError, match=rf"--predictor .*p: policy {policy} uses no predictor"):
+        with pytest.raises(ValueError, match=rf"--predictor .*p: policy {policy} reads no trained predictor \(policies that do: pbkv, "):
             build_policy(policy, 16, predictor_dir=saved, online=False)
     assert build_policy("pbkv", 16, predictor_dir=saved, online=False).loaded

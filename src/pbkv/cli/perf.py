@@ -79,22 +79,17 @@ def predictor_arg(policy: str, predictor: Path | None) -> str | None:
     """--predictor as perf's functions take it, checked before any work (exit 2): the policy is
     known, the path exists (as bench checks it), and the policy reads a trained predictor (else
     the figure would be taken without it while the command line names one)."""
-    from pbkv.policy.registry import needed_predictor
+    from pbkv.policy.registry import needed_predictor, predicting_policies
     with exit_on_error():
         variant = needed_predictor(policy)
     if predictor is None:
         return None
     check_exist(predictor)
     if variant is None:
-        fail(f"--predictor: {policy} reads no trained predictor (policies that do: {', '.join(predicting())}); "
+        fail(f"--predictor: {policy} reads no trained predictor (policies that do: {', '.join(predicting_policies())}); "
              f"leave --predictor out")
     return str(predictor)
 
-
-def predicting() -> list[str]:
-    """The built-in policies that read a trained predictor (from the registry)."""
-    from pbkv.policy.registry import BUILTIN, needed_predictor
-    return [name for name in BUILTIN if needed_predictor(name)]
 
 
 def print_note(line: str) -> None:

@@ -49,3 +49,8 @@ def needed_predictor(name: str) -> str | None:
         return None
     uses = getattr(cls, "use_scores", False) or getattr(cls, "use_prefetch", False)
     return getattr(cls, "variant", None) if uses else None
+
+
+def predicting_policies() -> list[str]:
+    """The built-in policies that read a trained predictor, for messages refusing one elsewhere."""
+    return [name for name in BUILTIN if needed_predictor(name)]

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from pbkv.policy import PolicyContext
-from pbkv.policy.registry import make_policy, needed_predictor, needs_future
+from pbkv.policy.registry import make_policy, needed_predictor, needs_future, predicting_policies
 from pbkv.predict.base import require_variant
 from pbkv.predict.history import read_history
 from pbkv.predict.online import OnlineLearner
@@ -267,8 +267,8 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
     variant = needed_predictor(name)
     predictor_dir = Path(predictor_dir) if predictor_dir else None
     if predictor_dir is not None and variant is None:   # else silently unused
-        raise ValueError(f"--predictor {predictor_dir}: policy {name} uses no predictor (the pbkv policies do); "
-                         f"leave --predictor out")
+        raise ValueError(f"--predictor {predictor_dir}: policy {name} reads no trained predictor (policies "
+                         f"that do: {', '.join(predicting_policies())}); leave --predictor out")
     predictors, loaded, history = {}, False, []
     if variant is not None:
         if predictor_dir is not None and has_predictor(predictor_dir):

@@ -63,7 +63,7 @@ def default_device() -> torch.device:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PBKV_CACHE", Path.home() / ".cache" / "pbkv"))
+    return Path(os.environ.get("PBKV_CACHE") or Path.home() / ".cache" / "pbkv")   # empty: unset, as bench's
 
 
 def load_model(name_or_path: str, device: str | torch.device | None = None,
