@@ -140,3 +140,32 @@ def test_a_failed_conversion_says_what_to_run(tmp_path, monkeypatch):
                                  "--workflows", "2", "--policies", "lru", "--out", str(tmp_path / "res")])
     # refused when the command line is read (`check_model_arg`), before any run
     assert r.exit_code == 2 and "or a local model directory with a config.json" in " ".join(r.output.split())
+
+
+def _bench(tmp_path, *extra, worker=None):
+    return CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(worker or fake_worker(tmp_path)),
+                                    "--workload", "hover", "--workflows", "2", "--scale", "12",
+                                    "--policies", "lru", "--out", str(tmp_path / "res"), *extra])
+
+
+@pytest.mark.parametrize("extra, option", [
+    (["--tiers", "device"], "--tiers"), (["--pressure", "0.05,0.5"], "--pressure"),
+    (["--pressure", "profile"], "--pressure"), (["--instances", "4"], "--instances"),
+    (["--router", "round-robin,prefix"], "--router"), (["--online"], "--online"),
+    (["--load-rule", "load"], "--load-rule"), (["--threads", "2"], "--threads")])
+def test_simulator_options_are_refused_on_vllm(tmp_path, converted, extra, option):
+    """They were ignored (exit 0, one vLLM run at the connector's sizes), --router rerunning every
+    setup into unlabelled duplicate rows."""
+    r = _bench(tmp_path, *extra)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert option in text and "--engine vllm" in text and "Traceback" not in text
+    assert not (tmp_path / "res" / "bench.json").exists()
+
+
+def test_future_reading_policies_are_dropped_with_a_note(tmp_path, converted):
+    r = _bench(tmp_path, "--policies", "oracle,pbkv-perfect")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert "note: --engine vllm: oracle, pbkv-perfect not run" in text
+    assert [x["policy"] for x in json.loads((tmp_path / "res" / "bench.json").read_text())] == ["vllm"]

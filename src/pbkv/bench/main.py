@@ -41,6 +41,7 @@ def check(args: BenchArgs) -> list[str]:
         raise ValueError(f"--samples averages simulated runs (--engine sim), not --engine {args.engine}")
     if args.engine == "vllm":
         from pbkv.policy.registry import needs_future
+        check_vllm(args)
         pols = [p for p in args.policies if p != "vllm"]
         for p in pols:
             policy_class(p)
@@ -58,6 +59,32 @@ def check(args: BenchArgs) -> list[str]:
         # each instance's oracle would see the whole trace's future, not the calls routed to it)
         pols.append("oracle")
     return pols
+
+
+def check_vllm(args: BenchArgs) -> None:
+    """--engine vllm runs one vLLM instance per setup at the sizes --device-tokens, --host-tokens
+    and --disk-tokens give: the simulator's sweep options would be ignored (or, --router, rerun
+    every setup into unlabelled duplicate rows), so each is refused (ValueError, exit 2)."""
+    what = ("--engine vllm runs one vLLM instance per setup, sized by --device-tokens (its GPU pool), "
+            "--host-tokens and --disk-tokens (the connector's RAM and disk tiers)")
+    if args.tiers:
+        raise ValueError(f"--tiers sets the simulator's tier sets (--engine sim); {what}")
+    if args.pressures != "auto":
+        raise ValueError(f"--pressure sizes the simulator's memory (--engine sim); {what}")
+    if args.instance_counts() != [1] or args.routers:
+        raise ValueError(f"--instances/--router run the simulator only (--engine sim); {what}")
+    if args.shared_tokens:
+        raise ValueError(f"--shared-tokens is a simulated shared tier (--engine sim); {what}")
+    if args.online:
+        raise ValueError("--online retrains the predictor during simulated runs (--engine sim); --engine vllm "
+                         "runs the connector on the predictor trained before the runs (--train / --predictor)")
+
+
+def dropped_on_vllm(args: BenchArgs) -> list[str]:
+    """The asked policies --engine vllm cannot run: those reading the trace's future (the oracle,
+    pbkv-perfect): the connector sees requests one at a time, never the replay ahead."""
+    from pbkv.policy.registry import needs_future
+    return [p for p in args.policies if p != "vllm" and needs_future(p)]
 
 
 def check_routers(args: BenchArgs) -> None:
@@ -100,6 +127,10 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         elif args.engine == "hf" and args.cache.device_tokens is not None:   # the scaled calls, as run_hf runs them
             from pbkv.bench.hf_run import HFConfig, scale_workload
             check_fits(scale_workload(workload, args.hf or HFConfig()), args.cache.device_tokens)
+    if args.engine == "vllm":
+        if dropped_on_vllm(args):
+            console.print(f"note: --engine vllm: {', '.join(dropped_on_vllm(args))} not run (they read the replay's "
+                          f"future; the connector sees requests as they come)", markup=False, highlight=False)
     for line in check_given_predictor(args, trained):
         console.print(line, markup=False, highlight=False)
     for note in pressure_notes(args):   # a clamped --pressure runs more memory than asked: say so

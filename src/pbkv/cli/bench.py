@@ -93,6 +93,9 @@ def bench(
     if engine in ("hf", "vllm"):
         hf = hf_config(model, scale, output_scale, load_rule, threads, seed)  # vllm: the same checks
     if engine == "vllm":
+        for option, value, default in (("--load-rule", load_rule, "auto"), ("--threads", threads, 1)):
+            if value != default:   # the real transformers engine's settings: vLLM would ignore them
+                fail(f"{option}: a setting of --engine hf; --engine vllm schedules its own loads and threads")
         vllm = vllm_config(vllm_python, model, scale, output_scale, seed)
     if engine not in ENGINES:
         fail(f"--engine: unknown engine {engine!r}; available: {', '.join(ENGINES)}")
