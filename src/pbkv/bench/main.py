@@ -128,6 +128,11 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
             from pbkv.bench.hf_run import HFConfig, scale_workload
             check_fits(scale_workload(workload, args.hf or HFConfig()), args.cache.device_tokens)
     if args.engine == "vllm":
+        from pbkv.bench.vllm_run import VLLMConfig, skip_note
+        vcfg = (args.vllm or VLLMConfig()).with_cache(args.cache)
+        for note in [skip_note(load_workload(s), vcfg) for s in args.sources]:   # before any run
+            if note:
+                console.print(note, markup=False, highlight=False)
         if dropped_on_vllm(args):
             console.print(f"note: --engine vllm: {', '.join(dropped_on_vllm(args))} not run (they read the replay's "
                           f"future; the connector sees requests as they come)", markup=False, highlight=False)

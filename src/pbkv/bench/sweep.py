@@ -237,7 +237,8 @@ def finish_records(records: list[dict]) -> list[dict]:
         base = lru.get(cell_of(r))
         if base is not None and r["policy"] != baseline(r):
             rec["speedup_vs_lru"] = base["mean_workflow_latency_s"] / max(r["mean_workflow_latency_s"], 1e-12)
-            rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)
+            if base["mean_ttft_s"] is not None and r["mean_ttft_s"] is not None:   # vLLM: None unmeasured
+                rec["ttft_speedup_vs_lru"] = base["mean_ttft_s"] / max(r["mean_ttft_s"], 1e-12)
             rec["device_hit_ratio_vs_lru"] = r["device_hit_rate"] / max(base["device_hit_rate"], 1e-12)
             for k in ("speedup_vs_lru_min", "speedup_vs_lru_max"):   # --samples: the per-sample range
                 if k in r:

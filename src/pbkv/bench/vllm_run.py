@@ -99,6 +99,35 @@ def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig,
     return to_record(raw, job, workload.name)
 
 
+def prompt_limit(cfg: VLLMConfig) -> int:
+    """The longest prompt a call may have: the rest of `max_model_len` holds its output."""
+    return cfg.max_model_len - cfg.max_tokens
+
+
+def skip_note(workload, cfg: VLLMConfig) -> str | None:
+    """Calls longer than `prompt_limit` are skipped in every setup (vLLM would refuse them): a
+    note with the counts when some are, None when none; a ValueError naming --scale when every
+    one is (the runs would report nothing, all-zero figures)."""
+    from pbkv.engine.hf.tokens import scale_trace
+    calls = scale_trace(workload.trace, cfg.scale, cfg.output_scale).calls
+    limit = prompt_limit(cfg)
+    over = [c for c in calls if c.input_length > limit]
+    if not over:
+        return None
+    scale = f"{cfg.scale:g}"
+    if len(over) == len(calls):
+        need = cfg.scale * min(c.input_length for c in calls) / limit
+        raise ValueError(f"--scale {scale}: every call of {workload.name} ({len(calls)}) is longer than the "
+                         f"{limit} prompt tokens vLLM runs here (max_model_len {cfg.max_model_len} less "
+                         f"{cfg.max_tokens} output tokens): nothing would be replayed; give a larger --scale "
+                         f"(above {need:.3g}; docs/vllm.md uses --scale 12)")
+    flows = {c.workflow_id for c in calls}
+    cut = {c.workflow_id for c in over}
+    return (f"note: --engine vllm: {workload.name}: {len(over)} of {len(calls)} calls ({len(cut)} of {len(flows)} "
+            f"workflows) are longer than {limit} prompt tokens at --scale {scale} and are skipped in every setup "
+            f"(a larger --scale keeps more)")
+
+
 def run_worker(python: str, job: dict) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -161,7 +190,8 @@ def replay(job: dict) -> dict:
     trace = read_trace(job["trace"])
     kw = dict(model=job["model"], dtype="float32", block_size=BLOCK, max_model_len=job["max_model_len"],
               seed=job["seed"], enable_prefix_caching=True, num_gpu_blocks_override=job["blocks"],
-              gpu_memory_utilization=0.5)
+              gpu_memory_utilization=0.5,
+              disable_log_stats=False)   # else RequestOutput.metrics is None: no per-request first-token time
     stats = Path(job["stats"]) if job["policy"] != BASELINE else None
     if stats is not None:
         extra = dict(host_tokens=job["host_tokens"], disk_tokens=job["disk_tokens"], stats_path=str(stats))
@@ -171,19 +201,26 @@ def replay(job: dict) -> dict:
     llm = LLM(**kw)
     mapper = TokenMapper(llm.get_tokenizer().vocab_size, trace.block_size, seed=job["seed"])
     limit = job["max_model_len"] - job["max_tokens"]
+    # a workflow ends (workflow_done) on its last call actually sent: a skipped last call would
+    # leave it open forever in the connector
     last = {}
     for c in trace.calls:
-        last[c.workflow_id] = max(last.get(c.workflow_id, -1), c.step)
+        if c.input_length <= limit:
+            last[c.workflow_id] = max(last.get(c.workflow_id, -1), c.step)
+    if not last:
+        raise ValueError(f"every call of the replay is longer than {limit} prompt tokens: give a larger --scale")
     prompt_tokens = cached = skipped = 0
     start, end, ttft = {}, {}, []
+    calls = 0
+    ttft_known = True      # every call's first-token time from vLLM's request metrics
     t0 = time.perf_counter()
     for wave in waves(trace.calls, job.get("concurrency")):
         prompts, params, sent = [], [], []
         for c in wave:
-            toks = mapper.tokens(c)
-            if len(toks) > limit:
+            if c.input_length > limit:
                 skipped += 1
                 continue
+            toks = mapper.tokens(c)
             hints = {"workflow_id": c.workflow_id, "agent": c.agent,
                      "workflow_done": bool(c.done) or c.step == last[c.workflow_id]}
             prompts.append({"prompt_token_ids": toks})
@@ -200,18 +237,34 @@ def replay(job: dict) -> dict:
             cached += o.num_cached_tokens or 0
             start.setdefault(c.workflow_id, w0 - t0)
             end[c.workflow_id] = w1 - t0
-            ttft.append(w1 - w0)
+            calls += 1
+            first = first_token_seconds(o)
+            if first is None:
+                ttft_known = False
+            else:
+                ttft.append(first)
     lat = sorted(end[w] - start[w] for w in end)
-    fig = {"policy": job["policy"], "workflows": len(lat), "calls": len(ttft), "skipped": skipped,
+    # time to first token only where vLLM measured it per request; never the wave's whole
+    # generate() time (all its calls, all their output tokens): None, shown as '-'
+    ttft_ok = ttft_known and bool(ttft)
+    fig = {"policy": job["policy"], "workflows": len(lat), "calls": calls, "skipped": skipped,
            "prompt_tokens": prompt_tokens, "computed_tokens": prompt_tokens - cached, "cached_tokens": cached,
            "wall_s": time.perf_counter() - t0, "mean_workflow_latency_s": _mean(lat),
-           "p99_workflow_latency_s": _p99(lat), "mean_ttft_s": _mean(ttft), "p99_ttft_s": _p99(sorted(ttft))}
+           "p99_workflow_latency_s": _p99(lat), "mean_ttft_s": _mean(ttft) if ttft_ok else None,
+           "p99_ttft_s": _p99(sorted(ttft)) if ttft_ok else None}
     if stats is not None and stats.exists():
         s = json.loads(stats.read_text())
         fig.update({k: s[k] for k in ("gpu_hit_tokens", "host_hit_tokens", "disk_hit_tokens", "gpu_demoted_blocks")})
     else:
         fig.update(gpu_hit_tokens=cached, host_hit_tokens=0, disk_hit_tokens=0, gpu_demoted_blocks=0)
     return fig
+
+
+def first_token_seconds(output) -> float | None:
+    """A request's time to first token, from its arrival, as vLLM measured it
+    (`RequestOutput.metrics.first_token_latency`, with log stats on); None when not measured."""
+    value = getattr(getattr(output, "metrics", None), "first_token_latency", None)
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 def _mean(xs) -> float:
