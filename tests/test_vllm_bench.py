@@ -189,3 +189,31 @@ def test_some_calls_over_the_length_limit_get_a_note(tmp_path, converted):
     text = " ".join(r.output.split())
     assert r.exit_code == 0, r.output
     assert "note: --engine vllm: swe:" in text and "skipped in every setup" in text
+
+
+def test_device_tokens_below_vllms_minimum_are_refused_up_front(tmp_path, converted):
+    """--device-tokens 256 was accepted; vLLM refused it at start, minutes in, in a long traceback."""
+    from pbkv.bench.vllm_run import VLLMConfig, min_blocks
+    assert min_blocks(VLLMConfig()) == 17 and min_blocks(VLLMConfig(max_model_len=500)) == 17
+    r = _bench(tmp_path, "--device-tokens", "256")
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2, r.output
+    assert "--device-tokens 256: vLLM needs at least 544 (17 blocks of 32 tokens" in text
+    assert _bench(tmp_path, "--device-tokens", "513").exit_code == 0   # 17 blocks once rounded up
+
+
+def test_a_failing_worker_is_one_error_line_and_a_log(tmp_path, converted):
+    fake = tmp_path / "python"
+    trace = "\n".join(["Traceback (most recent call last):", *[f'  File "x{i}.py", line {i}' for i in range(40)],
+                       "ValueError: To serve at least one request ... (17 blocks needed)",
+                       "INFO 12-03 [core.py:1] shutting down", ""])
+    fake.write_text(f"#!{sys.executable}\nimport sys\nsys.stderr.write({trace!r})\nsys.exit(1)\n")
+    fake.chmod(0o755)
+    r = _bench(tmp_path, worker=fake)
+    assert r.exit_code == 2, r.output
+    lines = [x for x in r.output.splitlines() if x.strip()]
+    error = " ".join(r.output.split())
+    assert "ValueError: To serve at least one request" in error and "x3.py" not in error
+    assert [x for x in lines if "error:" in x] == lines[-1:]
+    log = error.split("(full log: ")[1].split(")")[0]
+    assert "x39.py" in open(log).read()

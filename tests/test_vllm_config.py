@@ -106,3 +106,12 @@ def test_a_huge_int_in_an_error_does_not_break_the_message():
 def test_the_documented_keys_are_the_checked_keys():
     table = DOCS.read_text().split("`kv_connector_extra_config` (all optional", 1)[1].split("\n\n", 2)[1]
     assert tuple(re.findall(r"^\| `(\w+)` \|", table, re.M)) == KEYS
+
+
+@pytest.mark.parametrize("key", ["disk_dir", "shared_dir"])
+def test_a_directory_that_cannot_be_made_is_refused_at_start(key, tmp_path):
+    """/proc/x passed the start check; the worker then died with a bare OSError naming no key."""
+    text = refused({key: "/proc/pbkv-no-such-dir"})
+    assert f"kv_connector_extra_config.{key}='/proc/pbkv-no-such-dir'" in text and "can be made" in text
+    assert parse_extra({key: str(tmp_path / "new" / "deeper")}) == ConnectorConfig(**{key: str(tmp_path / "new" / "deeper")})
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []   # the try leaves nothing

@@ -75,6 +75,12 @@ def check_vllm(args: BenchArgs) -> None:
         raise ValueError(f"--instances/--router run the simulator only (--engine sim); {what}")
     if args.shared_tokens:
         raise ValueError(f"--shared-tokens is a simulated shared tier (--engine sim); {what}")
+    from pbkv.bench.vllm_run import BLOCK, VLLMConfig, min_blocks
+    vcfg = (args.vllm or VLLMConfig()).with_cache(args.cache)
+    if vcfg.blocks < min_blocks(vcfg):   # else vLLM refuses it at start, minutes in, in a traceback
+        raise ValueError(f"--device-tokens {args.cache.device_tokens}: vLLM needs at least "
+                         f"{min_blocks(vcfg) * BLOCK} ({min_blocks(vcfg)} blocks of {BLOCK} tokens: one "
+                         f"{vcfg.max_model_len}-token request plus vLLM's null block)")
     if args.online:
         raise ValueError("--online retrains the predictor during simulated runs (--engine sim); --engine vllm "
                          "runs the connector on the predictor trained before the runs (--train / --predictor)")

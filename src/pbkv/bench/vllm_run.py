@@ -99,6 +99,12 @@ def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig,
     return to_record(raw, job, workload.name)
 
 
+def min_blocks(cfg: VLLMConfig) -> int:
+    """The smallest KV pool vLLM starts with: one request of `max_model_len` tokens, in whole
+    blocks, plus the null block vLLM keeps out of the pool."""
+    return -(-cfg.max_model_len // BLOCK) + 1
+
+
 def prompt_limit(cfg: VLLMConfig) -> int:
     """The longest prompt a call may have: the rest of `max_model_len` holds its output."""
     return cfg.max_model_len - cfg.max_tokens
@@ -135,8 +141,25 @@ def run_worker(python: str, job: dict) -> dict:
                        capture_output=True, text=True)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RECORD")]
     if p.returncode != 0 or not lines:
-        raise VLLMRunError(f"vLLM run {job['policy']!r} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+        # one line: the child's last meaningful line (its exception), and where its whole log is
+        with tempfile.NamedTemporaryFile("w", prefix=f"pbkv-bench-vllm-{job['policy']}-", suffix=".log",
+                                         delete=False) as f:
+            f.write(p.stdout + ("\n" if p.stdout else "") + p.stderr)
+        raise VLLMRunError(f"vLLM run {job['policy']!r} failed (exit {p.returncode}): "
+                           f"{last_meaningful(p.stderr) or 'no error output'} (full log: {f.name})")
     return json.loads(lines[-1][len("RECORD"):])
+
+
+def last_meaningful(text: str) -> str:
+    """The last line of a child's stderr that is not blank or a log line (INFO, WARNING, DEBUG):
+    a traceback's exception line, cut to 500 characters."""
+    for line in reversed(text.splitlines()):
+        words = line.strip().split()
+        if words and words[0].startswith("("):   # "(EngineCore pid=1) INFO ..."
+            words = words[2:] if len(words) > 1 and words[1].endswith(")") else words[1:]
+        if words and words[0].strip("[]").upper() not in ("INFO", "WARNING", "DEBUG"):
+            return line.strip()[:500]
+    return ""
 
 
 def to_record(raw: dict, job: dict, workload: str) -> dict:

@@ -9,7 +9,9 @@ anything is built; every problem of one config is reported together. Rules:
   keys listed (a misspelt key must not silently fall back to a default);
 - `policy`: a non-empty string (the policy registry then checks the name);
 - `predictor_dir`, `disk_dir`, `shared_dir`: non-empty strings naming a directory or a path that
-  does not exist yet (the nearest existing ancestor must be a directory);
+  does not exist yet (the nearest existing ancestor must be a directory); for `disk_dir` and
+  `shared_dir`, which the connector makes and writes, a folder must be creatable there now
+  (tried once, then removed: a read-only folder, /proc);
 - `stats_path`: a non-empty string naming a regular file or nothing yet, in an existing directory
   where a file can be made now (tried once, then removed): it is written as requests finish,
   long after start, and a write that fails then is only logged. Not a device or other special
@@ -79,6 +81,24 @@ def _directory(value: Any) -> str | None:
     return None
 
 
+def _writable_directory(value: Any) -> str | None:
+    """A directory the connector makes and writes (`disk_dir`, `shared_dir`): as `_directory`, and
+    a folder can be made now in it or in its nearest existing ancestor (tried once, then removed),
+    so a read-only or pseudo file system (/proc) is refused here, not as a bare OSError later."""
+    problem = _directory(value)
+    if problem is not None:
+        return problem
+    path = Path(value)
+    existing = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if existing is None:
+        existing = Path(".")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pbkv-check-", dir=existing))
+    except OSError as e:
+        return f"must name a directory that can be made and written ({str(existing)!r}: {e.strerror or e})"
+    return None
+
+
 def _file(value: Any) -> str | None:
     problem = _path(value)
     if problem is not None:
@@ -111,8 +131,8 @@ def _boolean(value: Any) -> str | None:
 
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "policy": _text, "predictor_dir": _directory, "device_tokens": _count(0), "host_tokens": _count(0),
-    "disk_tokens": _count(0), "disk_dir": _directory, "steer_gpu": _boolean, "stats_path": _file,
-    "shared_dir": _directory, "shared_bytes": _count(1),
+    "disk_tokens": _count(0), "disk_dir": _writable_directory, "steer_gpu": _boolean, "stats_path": _file,
+    "shared_dir": _writable_directory, "shared_bytes": _count(1),
 }
 assert set(CHECKS) == set(KEYS)   # a new ConnectorConfig field needs its check
 NULL_IS_UNSET = frozenset(KEYS) - {"steer_gpu"}
