@@ -115,3 +115,29 @@ def test_a_directory_that_cannot_be_made_is_refused_at_start(key, tmp_path):
     assert f"kv_connector_extra_config.{key}='/proc/pbkv-no-such-dir'" in text and "can be made" in text
     assert parse_extra({key: str(tmp_path / "new" / "deeper")}) == ConnectorConfig(**{key: str(tmp_path / "new" / "deeper")})
     assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []   # the try leaves nothing
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"policy": "lru", "host_tokens": 0, "disk_tokens": 4096},
+     ["kv_connector_extra_config.disk_tokens=4096", "kv_connector_extra_config.host_tokens=0"]),
+    ({"policy": "pbkv"}, ["kv_connector_extra_config.policy='pbkv'", "kv_connector_extra_config.predictor_dir"]),
+    ({"policy": "oracle"}, ["kv_connector_extra_config.policy='oracle'", "future"]),
+    ({"policy": "pbkv-perfect"}, ["kv_connector_extra_config.policy='pbkv-perfect'", "future"]),
+    ({"policy": "nope"}, ["kv_connector_extra_config.policy='nope'"])])
+def test_start_errors_name_the_extra_config_keys(extra, words):
+    """They spoke of `pbkv bench` flags (--disk-tokens, --train FILE, PolicyContext.future)."""
+    from pbkv.integrations.vllm.config import connector_policy
+    with pytest.raises(ValueError) as e:
+        connector_policy(parse_extra(extra))
+    text = str(e.value)
+    assert all(w in text for w in words), text
+    assert " --" not in text and "PolicyContext" not in text
+
+
+def test_the_connector_runs_its_start_check(tmp_path):
+    """PBKVConnector._make_shadow goes through connector_policy (the connector imports vLLM)."""
+    from pbkv.integrations.vllm.config import connector_policy
+    assert connector_policy(parse_extra({})) == "lru"
+    assert connector_policy(parse_extra({"policy": "kvflow", "host_tokens": 0})) == "kvflow"
+    src = (Path(__file__).resolve().parents[1] / "src/pbkv/integrations/vllm/connector.py").read_text()
+    assert "policy = connector_policy(config)" in src

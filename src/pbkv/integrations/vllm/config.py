@@ -178,3 +178,29 @@ def parse_extra(extra: Any) -> ConnectorConfig:
     if problems:
         raise ValueError("pbkv connector: " + "; ".join(problems))
     return ConnectorConfig(**given)
+
+
+def connector_policy(config: ConnectorConfig) -> str:
+    """The policy the connector runs (`policy`, else "pbkv" with `predictor_dir`, else "lru"),
+    checked at start in the extra config's own terms (ValueError naming its keys), not in the
+    words of `pbkv bench`'s command line that the policies' own errors use: an unknown name, a
+    policy reading the replay's future (the oracle: a live connector has none), a predicting
+    policy without `predictor_dir`, a disk tier below a host tier of 0."""
+    from pbkv.policy.registry import UnknownPolicy, needed_predictor, needs_future
+    policy = config.policy or ("pbkv" if config.predictor_dir else "lru")
+    try:
+        future, variant = needs_future(policy), needed_predictor(policy)
+    except UnknownPolicy as e:
+        raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)}: {e}") from None
+    if future:
+        raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)} reads the replayed trace's future, "
+                         f"which a live connector never has; give a policy that runs on what it has seen "
+                         f"(lru, pbkv-retired, kvflow, or pbkv with {PREFIX}.predictor_dir)")
+    if variant is not None and not config.predictor_dir:
+        raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)} needs a trained {variant} predictor: "
+                         f"give {PREFIX}.predictor_dir (a folder saved by `pbkv train`)")
+    if config.host_tokens == 0 and config.disk_tokens:
+        raise ValueError(f"pbkv connector: {PREFIX}.disk_tokens={config.disk_tokens} with {PREFIX}.host_tokens=0: "
+                         f"blocks reach the disk tier only through the host (RAM) tier, so the disk would never "
+                         f"be used; give host_tokens > 0, or disk_tokens 0 (or leave it out)")
+    return policy

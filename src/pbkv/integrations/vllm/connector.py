@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats  # noqa: E402
 
 from pbkv.cache import CacheConfig, CapacityDefaults  # noqa: E402
-from pbkv.integrations.vllm.config import ConnectorConfig, parse_extra  # noqa: E402
+from pbkv.integrations.vllm.config import ConnectorConfig, connector_policy, parse_extra  # noqa: E402
 from pbkv.integrations.vllm.hints import parse_hints  # noqa: E402
 from pbkv.integrations.vllm.shared import SharedBlocks, instance_identity, key_problem  # noqa: E402
 from pbkv.integrations.vllm.shadow import Plan, Shadow  # noqa: E402
@@ -139,7 +139,7 @@ class PBKVConnector(KVConnectorBase_V1):
 
     def _make_shadow(self, config: ConnectorConfig) -> Shadow:
         predictor_dir = config.predictor_dir
-        policy = config.policy or ("pbkv" if predictor_dir else "lru")
+        policy = connector_policy(config)   # its errors name the extra config's keys, not bench's flags
         predictors = {}
         variant = needed_predictor(policy)
         if predictor_dir and not variant:   # else it would be loaded and silently unused
