@@ -217,3 +217,24 @@ def test_a_failing_worker_is_one_error_line_and_a_log(tmp_path, converted):
     assert [x for x in lines if "error:" in x] == lines[-1:]
     log = error.split("(full log: ")[1].split(")")[0]
     assert "x39.py" in open(log).read()
+
+
+def test_a_failed_run_keeps_its_finished_setups_and_no_stale_results(tmp_path, converted):
+    """A setup failing after others finished lost them all, and the earlier run's bench.json (and
+    plot) stayed in OUT looking like this run's."""
+    out = tmp_path / "res"
+    assert _bench(tmp_path).exit_code == 0
+    assert (out / "bench.json").exists() and (out / "hover.png").exists()
+    assert not (out / "bench.partial.json").exists()     # removed once bench.json is written
+    failing = tmp_path / "failing"
+    failing.write_text(FAKE_WORKER.replace("job = json.load(sys.stdin)\n",
+                                           "job = json.load(sys.stdin)\nif job['policy'] == 'arc': sys.exit(9)\n"))
+    failing.chmod(0o755)
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(failing), "--workload", "swe",
+                                 "--workflows", "2", "--scale", "12", "--policies", "lru,slru,arc",
+                                 "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert not (out / "bench.json").exists() and not (out / "hover.png").exists()
+    kept = json.loads((out / "bench.partial.json").read_text())
+    assert [(x["workload"], x["policy"]) for x in kept] == [("swe", "vllm"), ("swe", "lru"), ("swe", "slru")]
+    assert "bench.partial.json" in " ".join(r.output.split())

@@ -146,6 +146,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         console.print(line, markup=False, highlight=False)
     for note in pressure_notes(args):   # a clamped --pressure runs more memory than asked: say so
         console.print(f"note: {note}", markup=False, highlight=False)
+    partial = start_partial(args) if args.engine == "vllm" else None
     with _bar(console) as bar:
         task = bar.add_task("training predictors", total=None)
         paths = predictors_mod.prepare(args.sources, trained, args.predictor, args.out / "models",
@@ -157,9 +158,18 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         doing = {"sim": "simulating", "vllm": "running vLLM"}.get(args.engine, "running the model")
         jobs = sweep_jobs(cfg)           # sizing the regimes reads every workload: once
         bar.update(task, description=doing, completed=0, total=len(jobs))
-        records = run_sweep(cfg, jobs=jobs, on_done=lambda r: bar.update(
-            task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
-                                         + (f" {r['router']}" if "router" in r else "")))
+        def done(r):
+            bar.update(task, advance=1, description=f"{r['workload']} {r['policy']} c={r['concurrency']}"
+                                                    + (f" {r['router']}" if "router" in r else ""))
+            if partial is not None:
+                partial.add(r)
+        try:
+            records = run_sweep(cfg, jobs=jobs, on_done=done)
+        except BaseException:
+            if partial is not None and partial.records:
+                console.print(f"note: the {len(partial.records)} setup(s) that finished are kept in {partial.path}",
+                              markup=False, highlight=False)
+            raise
     _record_version(records, predictors_mod.version_name(cfg.predictors))
     print_tables(records, console)
     for line in online_notes(records, args):
@@ -176,11 +186,39 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     paths = [write_json(records, p) for p in dict.fromkeys([args.out / "bench.json", args.json_path]) if p]
     plots = write_plots(records, args.out)
     removed = remove_plots(earlier, plots)
+    if partial is not None:
+        partial.path.unlink(missing_ok=True)
     console.print("results: " + "\n         ".join(map(str, [*paths, *plots])))
     if removed:
         console.print("removed an earlier run's plots (not of this run's workloads): "
                       + ", ".join(map(str, removed)), markup=False, highlight=False)
     return records
+
+
+class Partial:
+    """--engine vllm: the records of the setups finished so far, rewritten to
+    OUT/bench.partial.json as each finishes (each is minutes of vLLM: a failed or interrupted run
+    keeps them); removed once OUT/bench.json is written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: list[dict] = []
+
+    def add(self, record: dict) -> None:
+        from pbkv.bench.sweep import finish_records
+        self.records.append(record)
+        write_json(finish_records(self.records), self.path)
+
+
+def start_partial(args: BenchArgs) -> Partial:
+    """Before any vLLM run: remove an earlier run's OUT/bench.json and the plots of the workloads
+    it holds (else a failed or interrupted run leaves them looking like this run's) and its
+    OUT/bench.partial.json."""
+    remove_plots(earlier_plots(args.out), keep=[])
+    (args.out / "bench.json").unlink(missing_ok=True)
+    partial = Partial(args.out / "bench.partial.json")
+    partial.path.unlink(missing_ok=True)
+    return partial
 
 
 def _record_version(records: list[dict], version: str | None) -> None:
