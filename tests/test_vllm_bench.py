@@ -238,3 +238,15 @@ def test_a_failed_run_keeps_its_finished_setups_and_no_stale_results(tmp_path, c
     kept = json.loads((out / "bench.partial.json").read_text())
     assert [(x["workload"], x["policy"]) for x in kept] == [("swe", "vllm"), ("swe", "lru"), ("swe", "slru")]
     assert "bench.partial.json" in " ".join(r.output.split())
+
+
+def test_the_vllm_job_carries_the_workload_agent_graph(tmp_path, converted, monkeypatch):
+    from pbkv.bench import vllm_run
+    from pbkv.bench.sweep import load_workload, source_from_arg
+    jobs = []
+    monkeypatch.setattr(vllm_run, "run_worker", lambda python, job: jobs.append(job) or {})
+    monkeypatch.setattr(vllm_run, "to_record", lambda raw, job, name: {})
+    w = load_workload(source_from_arg("hover", 2, 0))
+    vllm_run.run_policy(w, "kvflow", 2, vllm_run.VLLMConfig(python=str(fake_worker(tmp_path))))
+    assert jobs[0]["agent_graph"] == w.agent_graph and jobs[0]["agent_graph"]
+    assert jobs[0]["static_sequence"] == w.static_sequence

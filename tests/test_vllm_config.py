@@ -141,3 +141,19 @@ def test_the_connector_runs_its_start_check(tmp_path):
     assert connector_policy(parse_extra({"policy": "kvflow", "host_tokens": 0})) == "kvflow"
     src = (Path(__file__).resolve().parents[1] / "src/pbkv/integrations/vllm/connector.py").read_text()
     assert "policy = connector_policy(config)" in src
+
+
+def test_agent_graph_reaches_kvflow_in_the_shadow():
+    """kvflow inside the connector got no agent graph: it ranked as LRU while labelled kvflow."""
+    from pbkv.cache import Capacities
+    from pbkv.integrations.vllm.shadow import Shadow
+    graph = {"START": ["plan"], "plan": ["act"], "act": ["plan", "END"]}
+    cfg = parse_extra({"policy": "kvflow", "agent_graph": graph, "static_sequence": ["plan", "act"]})
+    assert cfg.agent_graph == graph and cfg.static_sequence == ["plan", "act"]
+    shadow = Shadow(16, Capacities(64, 64, 0), "kvflow", agent_graph=cfg.agent_graph,
+                    static_sequence=cfg.static_sequence)
+    assert shadow.policy.graph.edges
+    assert not Shadow(16, Capacities(64, 64, 0), "kvflow").policy.graph.edges
+    for bad in ({"plan": "act"}, ["plan"], {"plan": [1]}, {"": ["x"]}):
+        assert "kv_connector_extra_config.agent_graph=" in refused({"agent_graph": bad})
+    assert "kv_connector_extra_config.static_sequence=" in refused({"static_sequence": "plan"})

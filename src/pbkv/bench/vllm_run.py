@@ -94,7 +94,9 @@ def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig,
     with tempfile.TemporaryDirectory(prefix="pbkv-vllm-") as tmp:
         trace = write_trace(scale_trace(workload.trace, cfg.scale, cfg.output_scale), Path(tmp) / "trace.jsonl")
         job = dict(asdict(cfg), model=model, trace=str(trace), policy=policy,
-                   concurrency=concurrency, predictor_dir=predictor_dir, stats=str(Path(tmp) / "stats.json"))
+                   concurrency=concurrency, predictor_dir=predictor_dir, stats=str(Path(tmp) / "stats.json"),
+                   # the workload's agent graph, as the simulator's kvflow gets it
+                   agent_graph=workload.agent_graph, static_sequence=workload.static_sequence)
         raw = run_worker(python, job)
     return to_record(raw, job, workload.name)
 
@@ -220,6 +222,10 @@ def replay(job: dict) -> dict:
         extra = dict(host_tokens=job["host_tokens"], disk_tokens=job["disk_tokens"], stats_path=str(stats))
         if job.get("predictor_dir"):
             extra["predictor_dir"] = job["predictor_dir"]
+        if job.get("agent_graph"):
+            extra["agent_graph"] = job["agent_graph"]
+        if job.get("static_sequence"):
+            extra["static_sequence"] = job["static_sequence"]
         kw["kv_transfer_config"] = kv_transfer_config(job["policy"], **extra)
     llm = LLM(**kw)
     mapper = TokenMapper(llm.get_tokenizer().vocab_size, trace.block_size, seed=job["seed"])

@@ -18,7 +18,11 @@ anything is built; every problem of one config is reported together. Rules:
   file: the stats replace the file (`os.replace`), so `/dev/null` would be replaced, as root;
 - `device_tokens`, `host_tokens`, `disk_tokens`: integers >= 0 (0 device tokens: vLLM's whole
   pool, as in `CacheConfig.resolve`); `shared_bytes`: an integer > 0;
-- `steer_gpu`: a JSON boolean.
+- `steer_gpu`: a JSON boolean;
+- `agent_graph`: a JSON object, agent name -> list of the agent names that may follow it ("START"
+  and "END" included, as `pbkv.policy.step_graph` reads it); `static_sequence`: a list of agent
+  names. Both go to the policy's context (kvflow's static workflow graph); without them kvflow
+  knows no graph and ranks blocks as LRU does.
 
 Integers are Python `int`s but not `bool`s (JSON `true` is not 1 token); floats are refused
 rather than truncated. No check converts or replaces a value: a config that passes means what
@@ -51,6 +55,8 @@ class ConnectorConfig:
     stats_path: str | None = None
     shared_dir: str | None = None
     shared_bytes: int | None = None
+    agent_graph: dict | None = None         # agent -> its possible next agents (kvflow's static graph)
+    static_sequence: list | None = None     # the workflows' fixed agent order, when they have one (kvflow)
 
 
 KEYS = tuple(f.name for f in fields(ConnectorConfig))
@@ -125,6 +131,21 @@ def _count(minimum: int) -> Callable[[Any], str | None]:
     return check
 
 
+def _names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) and v.strip() for v in value)
+
+
+def _graph(value: Any) -> str | None:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and k.strip() and _names(v)
+                                                 for k, v in value.items()):
+        return "must be a JSON object mapping each agent name to a list of the agent names that may follow it"
+    return None
+
+
+def _sequence(value: Any) -> str | None:
+    return None if _names(value) else "must be a JSON list of agent names"
+
+
 def _boolean(value: Any) -> str | None:
     return None if isinstance(value, bool) else "must be a JSON boolean (true or false)"
 
@@ -132,7 +153,8 @@ def _boolean(value: Any) -> str | None:
 CHECKS: dict[str, Callable[[Any], str | None]] = {
     "policy": _text, "predictor_dir": _directory, "device_tokens": _count(0), "host_tokens": _count(0),
     "disk_tokens": _count(0), "disk_dir": _writable_directory, "steer_gpu": _boolean, "stats_path": _file,
-    "shared_dir": _writable_directory, "shared_bytes": _count(1),
+    "shared_dir": _writable_directory, "shared_bytes": _count(1), "agent_graph": _graph,
+    "static_sequence": _sequence,
 }
 assert set(CHECKS) == set(KEYS)   # a new ConnectorConfig field needs its check
 NULL_IS_UNSET = frozenset(KEYS) - {"steer_gpu"}

@@ -151,7 +151,8 @@ class PBKVConnector(KVConnectorBase_V1):
             require_variant(predictors[variant], variant, policy, f"pbkv connector: predictor_dir {predictor_dir!r}")
         asked = CacheConfig(config.device_tokens, config.host_tokens, config.disk_tokens)
         caps = asked.resolve(CapacityDefaults(max(self.num_blocks - 1, 1) * self.block_size, host_ratio=4))
-        shadow = Shadow(self.block_size, caps, policy, predictors)
+        shadow = Shadow(self.block_size, caps, policy, predictors, agent_graph=config.agent_graph,
+                        static_sequence=config.static_sequence)
         log.info("pbkv connector: policy %s, tiers %s", policy, caps)
         return shadow
 

@@ -71,12 +71,15 @@ class Shadow:
     propagates, as a test may want). Invariant: every policy event hook runs through `_hook`."""
 
     def __init__(self, block_size: int, capacities: Capacities, policy: str = "lru",
-                 predictors: dict | None = None, clock=time.monotonic, shared=None, fallback=LRUPolicy):
+                 predictors: dict | None = None, clock=time.monotonic, shared=None, fallback=LRUPolicy,
+                 agent_graph: dict | None = None, static_sequence: list | None = None):
         self.block_size = block_size
         self.fallback = fallback
         self.shared = shared    # a `shared.SharedBlocks` over every rank's files, or None
         self.clock = clock
-        ctx = PolicyContext(block_size=block_size, predictors=predictors or {})
+        ctx = PolicyContext(block_size=block_size, predictors=predictors or {},   # the graph: kvflow's
+                            agent_graph={a: list(n) for a, n in (agent_graph or {}).items()},
+                            static_sequence=list(static_sequence) if static_sequence else None)
         self.policy = make_policy(policy, ctx)
         self.ops = PlanOps(lambda: self.plan)
         self.owed: set[int] = set()              # keys whose worker copy is missing or wrong
