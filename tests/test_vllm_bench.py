@@ -40,6 +40,8 @@ def converted(tmp_path, monkeypatch):
     """A PBKV_CACHE holding an already converted SmolLM2 (only its config.json: the fake worker
     never loads it)."""
     monkeypatch.setenv("PBKV_CACHE", str(tmp_path / "cache"))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # a failed worker's log lands here, not in /tmp
     from pbkv.engine.hf.model import smollm2_dir
     smollm2_dir().mkdir(parents=True)
     (smollm2_dir() / "config.json").write_text("{}")
