@@ -297,3 +297,10 @@ def test_a_terminated_bench_ends_its_vllm_child_and_removes_its_temp_folder(tmp_
     finally:
         if bench.poll() is None:
             bench.kill()
+
+
+def test_model_tiny_asked_for_by_name_is_refused_on_vllm(tmp_path, converted):
+    """--model tiny silently ran SmolLM2; the default (not given) still runs SmolLM2."""
+    r = _bench(tmp_path, "--model", "tiny")
+    assert r.exit_code == 2 and "--model tiny" in " ".join(r.output.split()), r.output
+    assert _bench(tmp_path).exit_code == 0

@@ -83,6 +83,7 @@ def bench(
     out: OutOpt = Path("results/bench"),
     json_path: JsonOpt = None,
     debug: DebugOpt = False,
+    ctx: typer.Context = None,   # where --model came from (--engine vllm: "tiny" given by name)
 ):
     """Compare cache policies side by side on workloads or traces; print a table, save JSON and plots."""
     from pbkv.bench.main import BenchArgs
@@ -93,6 +94,11 @@ def bench(
     if engine in ("hf", "vllm"):
         hf = hf_config(model, scale, output_scale, load_rule, threads, seed)  # vllm: the same checks
     if engine == "vllm":
+        given = getattr(ctx.get_parameter_source("model"), "name", None) if ctx is not None else None
+        if model == "tiny" and given == "COMMANDLINE":
+            # the default "tiny" stands for SmolLM2 here; asked for by name it ran SmolLM2 silently
+            fail("--model tiny: the random small Llama of --engine hf has no Hugging Face folder vLLM can load; "
+                 "--engine vllm runs SmolLM2 (--model smollm2, the default) or --model DIR")
         for option, value, default in (("--load-rule", load_rule, "auto"), ("--threads", threads, 1)):
             if value != default:   # the real transformers engine's settings: vLLM would ignore them
                 fail(f"{option}: a setting of --engine hf; --engine vllm schedules its own loads and threads")
