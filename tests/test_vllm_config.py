@@ -123,7 +123,9 @@ def test_a_directory_that_cannot_be_made_is_refused_at_start(key, tmp_path):
     ({"policy": "pbkv"}, ["kv_connector_extra_config.policy='pbkv'", "kv_connector_extra_config.predictor_dir"]),
     ({"policy": "oracle"}, ["kv_connector_extra_config.policy='oracle'", "future"]),
     ({"policy": "pbkv-perfect"}, ["kv_connector_extra_config.policy='pbkv-perfect'", "future"]),
-    ({"policy": "nope"}, ["kv_connector_extra_config.policy='nope'"])])
+    ({"policy": "nope"}, ["kv_connector_extra_config.policy='nope'"]),
+    ({"policy": "lru", "predictor_dir": "/tmp"}, ["kv_connector_extra_config.predictor_dir='/tmp'",
+                                                  "reads no trained predictor (policies that do: pbkv, "])])
 def test_start_errors_name_the_extra_config_keys(extra, words):
     """They spoke of `pbkv bench` flags (--disk-tokens, --train FILE, PolicyContext.future)."""
     from pbkv.integrations.vllm.config import connector_policy

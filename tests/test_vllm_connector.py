@@ -294,5 +294,6 @@ def test_the_helper_recomputes_failed_loads_and_fail_is_warned_about(caplog):
 
 def test_a_predictor_dir_the_policy_does_not_read_is_refused(tmp_path):
     """Loaded and silently unused before: the figures would read as a predicting policy's."""
-    with pytest.raises(ValueError, match=r"predictor_dir '.*' given, but policy 'lru' uses no predictor"):
+    with pytest.raises(ValueError, match=r"predictor_dir='.*' given, but kv_connector_extra_config.policy='lru' "
+                                         r"reads no trained predictor \(policies that do: pbkv, "):
         make(KVConnectorRole.SCHEDULER, predictor_dir=str(tmp_path))

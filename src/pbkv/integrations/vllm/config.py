@@ -207,8 +207,9 @@ def connector_policy(config: ConnectorConfig) -> str:
     checked at start in the extra config's own terms (ValueError naming its keys), not in the
     words of `pbkv bench`'s command line that the policies' own errors use: an unknown name, a
     policy reading the replay's future (the oracle: a live connector has none), a predicting
-    policy without `predictor_dir`, a disk tier below a host tier of 0."""
-    from pbkv.policy.registry import UnknownPolicy, needed_predictor, needs_future
+    policy without `predictor_dir` or a `predictor_dir` the policy does not read (it would be
+    loaded and silently unused), a disk tier below a host tier of 0."""
+    from pbkv.policy.registry import UnknownPolicy, needed_predictor, needs_future, predicting_policies
     policy = config.policy or ("pbkv" if config.predictor_dir else "lru")
     try:
         future, variant = needs_future(policy), needed_predictor(policy)
@@ -221,6 +222,10 @@ def connector_policy(config: ConnectorConfig) -> str:
     if variant is not None and not config.predictor_dir:
         raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)} needs a trained {variant} predictor: "
                          f"give {PREFIX}.predictor_dir (a folder saved by `pbkv train`)")
+    if variant is None and config.predictor_dir:
+        raise ValueError(f"pbkv connector: {PREFIX}.predictor_dir={_show(config.predictor_dir)} given, but "
+                         f"{PREFIX}.policy={_show(policy)} reads no trained predictor (policies that do: "
+                         f"{', '.join(predicting_policies())}); leave predictor_dir out")
     if config.host_tokens == 0 and config.disk_tokens:
         raise ValueError(f"pbkv connector: {PREFIX}.disk_tokens={config.disk_tokens} with {PREFIX}.host_tokens=0: "
                          f"blocks reach the disk tier only through the host (RAM) tier, so the disk would never "

@@ -142,9 +142,6 @@ class PBKVConnector(KVConnectorBase_V1):
         policy = connector_policy(config)   # its errors name the extra config's keys, not bench's flags
         predictors = {}
         variant = needed_predictor(policy)
-        if predictor_dir and not variant:   # else it would be loaded and silently unused
-            raise ValueError(f"pbkv connector: predictor_dir {predictor_dir!r} given, but policy {policy!r} "
-                             f"uses no predictor (the pbkv policies do)")
         if predictor_dir:
             from pbkv.predict.predictor import load_predictor  # not bench's: it pins torch to 1 thread
             predictors = {variant: load_predictor(predictor_dir)}
