@@ -209,6 +209,7 @@ def test_pbkv_serve_hands_on_absolute_paths(monkeypatch, tmp_path):
     cfg = seen["cfg"]
     assert (cfg.model, cfg.predictor_dir, cfg.record) == (str(tmp_path / "models" / "m"), str(tmp_path / "pred"),
                                                           str(tmp_path / "rec.jsonl"))
+    (tmp_path / "tiny").mkdir()   # a folder of that name here: the built-in name still wins, as in load_model
     CliRunner().invoke(app, ["serve", "--port", "0", "--model", "tiny", "--max-agents", "3"])
     assert seen["cfg"].model == "tiny" and seen["cfg"].max_agents == 3   # a built-in name stays a name
 

@@ -103,8 +103,8 @@ def serve(
                         shared_dir=str(shared_dir.resolve()) if shared_dir else None, shared_bytes=shared_bytes)
     with exit_on_error():
         cache.check()   # a disk below --host-tokens 0 is never used: refused before the model loads
-    if Path(model).exists():   # a local folder, not a built-in name: absolute for the same reason
-        model = os.path.abspath(model)
+    if model not in ("tiny", "smollm2") and Path(model).exists():   # a local folder (a built-in name wins,
+        model = os.path.abspath(model)                              # as in load_model): absolute, as above
     cfg = ServeConfig(model=model, policy=policy, host=host, port=port, api_key=api_key, served_name=served_name,
                       cache=cache, record=os.path.abspath(record) if record else None, record_rotate=record_rotate,
                       record_context=record_context, predictor_dir=os.path.abspath(predictor) if predictor else None,
