@@ -228,6 +228,13 @@ def test_a_failed_run_keeps_its_finished_setups_and_no_stale_results(tmp_path, c
     assert _bench(tmp_path).exit_code == 0
     assert (out / "bench.json").exists() and (out / "hover.png").exists()
     assert not (out / "bench.partial.json").exists()     # removed once bench.json is written
+    first = tmp_path / "first"                             # fails at its first setup: nothing to keep,
+    first.write_text(FAKE_WORKER.replace("job = json.load(sys.stdin)\n", "job = json.load(sys.stdin)\nsys.exit(9)\n"))
+    first.chmod(0o755)                                     # so the earlier results stay as they were
+    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(first), "--workload", "swe",
+                                 "--workflows", "2", "--scale", "12", "--policies", "lru", "--out", str(out)])
+    assert r.exit_code == 2, r.output
+    assert (out / "bench.json").exists() and (out / "hover.png").exists() and not (out / "bench.partial.json").exists()
     failing = tmp_path / "failing"
     failing.write_text(FAKE_WORKER.replace("job = json.load(sys.stdin)\n",
                                            "job = json.load(sys.stdin)\nif job['policy'] == 'arc': sys.exit(9)\n"))

@@ -198,25 +198,27 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
 class Partial:
     """--engine vllm: the records of the setups finished so far, rewritten to
     OUT/bench.partial.json as each finishes (each is minutes of vLLM: a failed or interrupted run
-    keeps them); removed once OUT/bench.json is written."""
+    keeps them); removed once OUT/bench.json is written. When the first setup finishes, an earlier
+    run's OUT/bench.json and the plots of its workloads go (else a run failing later would leave
+    them beside this run's partial file, looking like its results); a run failing before any
+    setup finished leaves them as they were."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, out: Path):
+        self.out, self.path = out, out / "bench.partial.json"
         self.records: list[dict] = []
 
     def add(self, record: dict) -> None:
         from pbkv.bench.sweep import finish_records
+        if not self.records:
+            remove_plots(earlier_plots(self.out), keep=[])
+            (self.out / "bench.json").unlink(missing_ok=True)
         self.records.append(record)
         write_json(finish_records(self.records), self.path)
 
 
 def start_partial(args: BenchArgs) -> Partial:
-    """Before any vLLM run: remove an earlier run's OUT/bench.json and the plots of the workloads
-    it holds (else a failed or interrupted run leaves them looking like this run's) and its
-    OUT/bench.partial.json."""
-    remove_plots(earlier_plots(args.out), keep=[])
-    (args.out / "bench.json").unlink(missing_ok=True)
-    partial = Partial(args.out / "bench.partial.json")
+    """The vLLM run's `Partial`; an earlier run's OUT/bench.partial.json is removed."""
+    partial = Partial(args.out)
     partial.path.unlink(missing_ok=True)
     return partial
 
