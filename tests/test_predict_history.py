@@ -116,3 +116,27 @@ def test_merging_puts_ours_after_the_live_workflows_and_keeps_the_newest_window(
     assert merge_with_live(tmp_path / "p", [one], 10) == [one, cut, one]         # alike, yet another workflow
     assert merge_with_live(tmp_path / "p", [two, one], 2) == [two, one]          # the window keeps the newest
     assert merge_with_live(tmp_path / "empty", [one], 5) == [one]                # nothing saved yet
+
+
+def test_a_save_whose_tidying_up_fails_is_live_and_its_workflows_are_not_saved_again(predictor, tmp_path,
+                                                                                      monkeypatch, caplog):
+    """The directory fsync or the prune failing after CURRENT moved was reported as a failed save:
+    the server then counted those workflows as unsaved and the next save wrote them twice."""
+    import logging
+
+    from pbkv.predict import store
+    from pbkv.serve.learning import TrafficLearner
+    from pbkv.trace import Trace, TraceMeta
+    learner = TrafficLearner(variant="fused", horizon=2, every=1000)
+    learner.save_to = tmp_path / "p"
+    for i in range(3):
+        learner.add(["plan", "code"], [f"task {i}", None])
+    snapshot = Trace(TraceMeta(), [c for wf in learner.window for c in wf])
+    monkeypatch.setattr(store, "_prune", lambda *a: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    with caplog.at_level(logging.WARNING, logger="pbkv.predict"):
+        learner._save(predictor, snapshot)
+    assert learner.save_error is None and len(read_history(tmp_path / "p")) == 3
+    assert "saved as v000001 (live), but tidying up after it failed" in caplog.text
+    learner.add(["plan"], ["task 3"])
+    save_predictor(predictor, tmp_path / "p", learner.unsaved_workflows(), learner.window.maxlen)
+    assert [wf[0][1] for wf in read_history(tmp_path / "p")] == ["task 0", "task 1", "task 2", "task 3"]

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -52,6 +53,8 @@ from pathlib import Path
 from typing import Callable
 
 from pbkv.stale import remove_stale
+
+log = logging.getLogger("pbkv.predict")
 
 POINTER = "CURRENT"
 VERSION_NAME = re.compile(r"v(\d{6,})")
@@ -270,7 +273,6 @@ def _point_to(path: Path, name: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / POINTER)
-    _fsync(path)
 
 
 def _prune(path: Path, live: str, before: str | None) -> None:
@@ -313,8 +315,14 @@ def publish(path: str | Path, write: Callable[[Path], None]) -> Path:
         name = _write_version(path, write)
         on_step("renamed")
         _point_to(path, name)
-        on_step("pointed")
-        _prune(path, name, before)
+        # live from here on: what fails now is tidying up, not the save (reported as failed, its
+        # caller would count its workflows as unsaved and save them again beside these)
+        try:
+            on_step("pointed")
+            _fsync(path)
+            _prune(path, name, before)
+        except OSError as e:
+            log.warning("%s: saved as %s (live), but tidying up after it failed: %s", path, name, e)
     return path
 
 
