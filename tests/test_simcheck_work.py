@@ -42,6 +42,11 @@ def test_load_rule_recompute_with_default_tiers_is_refused_once_they_are_sized(t
                "--out", tmp_path / "o")
     assert r.exit_code == 2, r.output
     assert "--load-rule recompute: the simulator always loads" in flat(r.output)
+    # without --profile too: refused before calibrating (it was refused only after it), with the
+    # sizes the run would have had (calibrate's host_ratio 2)
+    r = invoke("simcheck", "--model", "tiny", "--workflows", 2, "--policies", "lru", "--device-tokens", 300,
+               "--load-rule", "recompute", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "(host 600, disk 2,400 tokens)" in flat(r.output), r.output
 
 
 def test_load_rule_recompute_without_slower_tiers_is_the_same_work(tmp_path, monkeypatch):

@@ -63,7 +63,7 @@ def simcheck(
     from pbkv.bench.simcheck import simcheck as run_simcheck
     from pbkv.bench.simcheck import check_load_rule, table, verdict
     from pbkv.bench.sweep import load_workload, source_from_arg
-    from pbkv.cache import CacheConfig, Capacities
+    from pbkv.cache import CacheConfig, Capacities, CapacityDefaults
     from pbkv.engine.profiles import load_profile
 
     hf = hf_config(model, scale, output_scale, load_rule, threads, seed)
@@ -76,10 +76,19 @@ def simcheck(
         fail(f"--workflows applies to generated workloads; {workload} is a trace, replayed whole "
              f"({replayed} workflows)")
     with exit_on_error():
-        # given host/disk tiers: refused before calibrating (unset ones are checked once sized)
-        check_load_rule(load_rule, Capacities(1, host_tokens or 0, disk_tokens or 0))
-        if profile is not None:
-            name = load_profile(profile).name  # a bad --profile fails now, not after training predictors
+        # refused before calibrating: beside a given --device-tokens the unset tiers take the real
+        # engine's defaults (hf_capacities: host_ratio x, 8 x device; calibrate writes ratio 2),
+        # without one simcheck sizes none (`simcheck.pressured`)
+        loaded = load_profile(profile) if profile is not None else None  # a bad --profile fails now
+        if device_tokens is not None:
+            ratio = loaded.host_ratio if loaded is not None else 2.0
+            caps = CacheConfig(device_tokens, host_tokens, disk_tokens).resolve(
+                CapacityDefaults(device_tokens, host_ratio=ratio, disk_ratio=8))
+        else:
+            caps = Capacities(1, host_tokens or 0, disk_tokens or 0)
+        check_load_rule(load_rule, caps)
+        if loaded is not None:
+            name = loaded.name
             caption = f"profile {name}" + (f" ({profile})" if profile != name else "")
         else:
             profile = str(out / "profile.json")
