@@ -168,8 +168,8 @@ class TrafficLearner(OnlineLearner):
         try:
             save_atomic(predictor, self.save_to, workflows, self.window.maxlen)
             self.save_error = None
-            with self._lock:
-                self.in_folder.update(by_id)
+            with self._lock:   # only ids still in the window: the set stays as small as the window
+                self.in_folder = (self.in_folder | set(by_id)) & {wf[0].workflow_id for wf in self.window}
             log.info("saved a retrain (%d workflows) to %s", len(workflows), self.save_to)
         except (OSError, ValueError) as e:   # the folder changed since start-up: serving goes on
             self.save_error = str(e)
