@@ -175,9 +175,7 @@ def test_future_reading_policies_are_dropped_with_a_note(tmp_path, converted):
 
 def test_every_call_over_the_length_limit_names_scale(tmp_path, converted):
     """--scale 1 (the default) on hover: every call was skipped and the bench exited 0 with all-zero figures."""
-    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
-                                 "--workload", "hover", "--workflows", "2", "--policies", "lru",
-                                 "--out", str(tmp_path / "res")])
+    r = _bench(tmp_path, "--scale", "1")
     text = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
     assert "--scale 1: every call of hover" in text and "larger --scale" in text
@@ -185,9 +183,7 @@ def test_every_call_over_the_length_limit_names_scale(tmp_path, converted):
 
 
 def test_some_calls_over_the_length_limit_get_a_note(tmp_path, converted):
-    r = CliRunner().invoke(app, ["bench", "--engine", "vllm", "--vllm-python", str(fake_worker(tmp_path)),
-                                 "--workload", "swe", "--workflows", "4", "--scale", "12", "--policies", "lru",
-                                 "--out", str(tmp_path / "res")])
+    r = _bench(tmp_path, "--workload", "swe", "--workflows", "4")
     text = " ".join(r.output.split())
     assert r.exit_code == 0, r.output
     assert "note: --engine vllm: swe:" in text and "skipped in every setup" in text
