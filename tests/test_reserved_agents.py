@@ -41,6 +41,17 @@ def test_a_served_reserved_agent_name_is_put_in_parentheses(name):
     assert run.agents == [f"({name})"]
 
 
+def test_served_agent_names_stay_distinct():
+    """Before: a client's "(<end>)" merged with its "<end>", and its "other" with the calls past
+    max_agents; each distinct client name now stays a distinct agent."""
+    table = WorkflowTable(max_agents=6)
+    names = ["<end>", "(<end>)", "((<end>))", "other", "(other)", "(x)"]
+    run, _, _ = table.begin(Hints("w", names[0]), 0.0)
+    for n in names[1:] + ["past-the-cap"]:
+        table.begin(Hints("w", n), 0.0)
+    assert run.agents == ["(<end>)", "((<end>))", "(((<end>)))", "(other)", "((other))", "(x)", "other"]
+
+
 def test_bench_refuses_a_replayed_reserved_agent_name_before_any_run(tmp_path):
     """Before: `bench --online` died at its first retrain, naming a workflow 'online-0' that is in
     no file, and `bench --predictor` replayed agent "<end>" as the workflow's end (hostile14)."""

@@ -35,6 +35,15 @@ from pbkv.trace import DEFAULT_AGENT
 OTHER_AGENT = "other"   # the agent of every call whose new name exceeds `max_agents`
 
 
+def _renamed(agent: str) -> bool:
+    """A client agent name that `WorkflowTable._agent` wraps in parentheses: a reserved name or
+    OTHER_AGENT, bare or already wrapped in any number of pairs (wrapping stays one-to-one)."""
+    core = agent
+    while core.startswith("(") and core.endswith(")"):
+        core = core[1:-1]
+    return core in (*RESERVED_AGENTS, OTHER_AGENT)
+
+
 @dataclass(frozen=True)
 class Hints:
     """What one call says about its workflow; every field optional."""
@@ -100,10 +109,13 @@ class WorkflowTable:
     def _agent(self, agent: str | None) -> str:
         """The agent name a call gets: at most `max_agents` distinct client names are kept, and a
         name the predictor reserves ("<unk>", "<end>") is put in parentheses ("(<end>)"): as is,
-        it would be the predictor's unknown class or the end of the workflow."""
+        it would be the predictor's unknown class or the end of the workflow. So that no two
+        client names become one, a name that already is a reserved or server-made name in
+        parentheses ("(<end>)", "((other))") gets one more pair, and so does the client's own
+        "other" (else it would merge with the calls past `max_agents`)."""
         if agent is None:
             return DEFAULT_AGENT
-        if agent in RESERVED_AGENTS:
+        if _renamed(agent):
             agent = f"({agent})"
         if agent not in self.agents:
             if len(self.agents) >= self.max_agents:
