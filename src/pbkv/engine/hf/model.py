@@ -113,12 +113,17 @@ def _from_path(path: str, dtype: torch.dtype):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     check_model_arg(path)
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its table of missing weights would come before our one-line error
     try:  # mismatched shapes are reported in `info` (and refused below), not raised as a bare RuntimeError
         model, info = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
                                                            output_loading_info=True, ignore_mismatched_sizes=True)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # SafetensorError: a truncated file
         lines = str(e).strip().splitlines() or [type(e).__name__]
         raise ModelLoadError(f"{path}: cannot load the model ({lines[0]})") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     check_loading_info(path, info)
     try:
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
