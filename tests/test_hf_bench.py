@@ -23,6 +23,7 @@ def test_bench_on_the_real_engine(tmp_path):
         torch.set_num_threads(threads)
     assert r.exit_code == 0, r.output
     assert "hover on tiny (scale 8.0)" in r.output
+    assert "latencies are wall-clock, one run per cell" in " ".join(r.output.split())   # the noise caveat
     records = json.loads((tmp_path / "bench.json").read_text())
     assert [x["policy"] for x in records] == ["lru", "oracle"]
     for x in records:

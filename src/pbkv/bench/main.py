@@ -180,6 +180,10 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     if lines and args.samples == 1 and args.engine == "sim":
         console.print("one sample per cell: a replay's latency moves by ~1% with a few tokens more memory "
                       "(pbkv.bench.samples); --samples 3 shows each speedup's range", highlight=False)
+    if args.engine != "sim":   # --samples is the simulator's: here the caveat is the reader's only guard
+        console.print(f"latencies are wall-clock, one run per cell: a busy machine (other processes, CPU "
+                      f"frequency) moves them run to run, by over 10% on a shared CPU; read a small x{_base(args)} "
+                      f"difference as noise, the computed-token column as the steadier figure", highlight=False)
     # OUT/bench.json always (beside the plots, so no earlier run's figures stay next to them), and
     # --json too when given
     earlier = earlier_plots(args.out)   # an earlier run's plots in OUT, by its bench.json
@@ -193,6 +197,11 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
         console.print("removed an earlier run's plots (not of this run's workloads): "
                       + ", ".join(map(str, removed)), markup=False, highlight=False)
     return records
+
+
+def _base(args) -> str:
+    """The baseline the speedup column names (`report.vllm_table`: vLLM alone; else LRU)."""
+    return "vLLM" if args.engine == "vllm" else "LRU"
 
 
 class Partial:
