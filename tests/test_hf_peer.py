@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_helpers import (BS, assert_same_as_reference, check, lm, make_engine, random_prompt,  # noqa: F401
+from hf_helpers import (LOGIT_ATOL, BS, assert_same_as_reference, check, lm, make_engine, random_prompt,  # noqa: F401
                         serve_call)
 from pbkv.engine.base import SHARED
 from pbkv.engine.hf import block_hashes
@@ -35,7 +35,7 @@ def test_b_reads_the_prefix_a_exported_and_answers_as_if_it_computed_it(lm):
     assert b.stats.loaded_tokens[SHARED] == len(P) and b.stats.computed_tokens == len(Y)
     assert got.result.tokens == want.result.tokens
     for g, w in zip(got.result.logits, want.result.logits):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g, w, atol=LOGIT_ATOL, rtol=1e-4)
     assert_same_as_reference(lm, P + Y, got.result, 3)
     assert not b.peer.blocks and b.peer.bytes == 0            # read once, then the tree holds it
     assert a.peer.counters.blocks_sent == blocks and b.peer.counters.blocks_received == blocks == b.peer.counters.blocks_read

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_helpers import BS, assert_same_as_reference, check, lm, random_prompt, serve_call  # noqa: F401
+from hf_helpers import (LOGIT_ATOL, BS, assert_same_as_reference, check, lm, random_prompt,  # noqa: F401
+                        serve_call)
 from pbkv.cache import Capacities, RadixTree, TieredCache
 from pbkv.engine.base import SHARED
 from pbkv.engine.hf import EngineOptions, HFEngine, ManualClock, Worker, block_hashes, load_model
@@ -38,7 +39,7 @@ def test_replica_b_loads_a_prefix_from_the_shared_tier(lm, tmp_path):
     assert b.stats.computed_tokens == len(Y) and b.stats.loaded_tokens[SHARED] == len(P)
     assert got.result.tokens == want.result.tokens
     for g, w in zip(got.result.logits, want.result.logits):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(g, w, atol=LOGIT_ATOL, rtol=1e-4)
     assert_same_as_reference(lm, P + Y, got.result, 3)
     again = serve(b, P + Y, 2)           # now local: the device tier serves it, not the directory
     assert again.hits()["device"] == len(P + Y) - 1 and again.hits()["shared"] == 0
