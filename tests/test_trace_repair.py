@@ -4,6 +4,7 @@ cut byte-wise where a killed write can stop)."""
 from __future__ import annotations
 
 import gzip
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -106,3 +107,64 @@ def read_trace_bytes(tmp_path, data: bytes):
     f = tmp_path / "check.jsonl"
     f.write_bytes(data)
     return read_trace(f)
+
+
+def line(wf: str, step: int, done: bool | None = None, **extra) -> bytes:
+    """One call line of run `wf` (ids chained per step, so every line is valid)."""
+    d = {"workflow_id": wf, "step": step, "agent": "A", "input_length": 4, "output_length": 1,
+         "hash_ids": [1], **extra}
+    if done is not None:
+        d["done"] = done
+    return json.dumps(d, separators=(",", ":")).encode()
+
+
+def test_interleaved_runs_keep_only_the_whole_ones(tmp_path):
+    """Run x's done step is the cut line: x is dropped entirely (steps 0-1 too), whole run y kept."""
+    head = b'{"pbkv_trace":1,"block_size":4}'
+    f = tmp_path / "t.jsonl"
+    f.write_bytes(b"\n".join([head, line("x", 0, False), line("y", 0, False), line("x", 1, False),
+                              line("y", 1, True), line("z", 0, True)]) + b"\n" + line("x", 2, True)[:40])
+    fixed = repair(f)
+    assert (fixed.cut_line, fixed.dropped_calls, fixed.dropped_runs) == (7, 2, 1)
+    assert fixed.data == b"\n".join([head, line("y", 0, False), line("y", 1, True), line("z", 0, True)]) + b"\n"
+    out = tmp_path / "o.jsonl"
+    r = runner.invoke(app, ["trace", "repair", str(f), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert " ".join(r.output.split()) == (
+        f"{f}: ends inside line 7; dropped every run without a 'done': true call (2 whole call lines of "
+        f"1 run) and the cut line; kept 3 calls of 2 workflows in {out}")
+    assert sorted(read_trace(out).workflows()) == ["y", "z"]
+
+
+def test_without_any_done_no_run_is_known_whole_and_the_message_says_so(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_bytes(b"\n".join([b'{"pbkv_trace":1,"block_size":4}', line("x", 0), line("y", 0), line("x", 1)])
+                  + b"\n" + line("y", 1)[:30])
+    fixed = repair(f)
+    assert (fixed.dropped_calls, fixed.dropped_runs, fixed.any_done) == (3, 2, False)
+    assert fixed.data == b'{"pbkv_trace":1,"block_size":4}\n'
+    out = tmp_path / "o.jsonl"
+    r = runner.invoke(app, ["trace", "repair", str(f), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert " ".join(r.output.split()) == (
+        f"{f}: ends inside line 5; no call line has 'done': true, so no run is known to be whole: dropped "
+        f"every call (3 whole call lines of 2 runs) and the cut line; kept 0 calls of 0 workflows in {out}")
+
+
+def test_a_stop_at_a_line_end_names_the_last_call_line_not_a_trailing_blank_one(tmp_path):
+    f = tmp_path / "r.jsonl"
+    f.write_bytes(b"\n".join([b'{"pbkv_trace":1,"block_size":4,"source":"pbkv serve test"}',
+                              line("a", 0, True), line("c", 0, False), b"", b""]) + b"\n")
+    fixed = repair(f)
+    assert (fixed.cut_line, fixed.dropped_calls, fixed.at_line_end) == (3, 1, True)
+    r = runner.invoke(app, ["trace", "repair", str(f), "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 0 and "its last run stops at line 3 without 'done'" in " ".join(r.output.split())
+
+
+def test_an_error_after_a_dropped_run_names_the_files_own_line(tmp_path):
+    """Dropped lines in the middle do not shift the line numbers of what repair cannot fix."""
+    f = tmp_path / "t.jsonl"
+    f.write_bytes(b"\n".join([line("x", 0, False), line("y", 0, True), line("z", 0, True, t=-1)])
+                  + b"\n" + line("x", 1, True)[:30])
+    r = runner.invoke(app, ["trace", "repair", str(f), "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 1 and "t.jsonl:3: field 't'" in " ".join(r.output.split()), r.output

@@ -98,32 +98,43 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
 def trace_repair_cmd(file: TraceFileArg, output: OutputOpt):
     """Keep the whole runs of a trace whose writer was killed mid-write (`serve --record`)."""
     from pbkv.files import replaced_on_success
-    from pbkv.trace import TraceError, read_trace
     from pbkv.trace.io import open_trace
-    from pbkv.trace.lines import display_name
-    from pbkv.trace.repair import repair
+    from pbkv.trace.repair import kept_trace, repair
 
     check_outputs([file], {"-o": output})
 
     with exit_on_error():
         fixed = repair(file)
+        trace = kept_trace(fixed)        # what is kept must be a valid trace: checked before writing
         with replaced_on_success(output) as tmp:
             with open_trace(tmp, "w") as f:  # gzip when OUTPUT ends in .gz, like every trace written
                 f.write(fixed.text)
-            try:
-                trace = read_trace(tmp)  # what is kept must be a valid trace
-            except TraceError as e:      # its lines are FILE's first ones: name FILE, not the temporary
-                raise TraceError(str(e).replace(display_name(tmp), display_name(file), 1)) from None
-    out = status_console(output)
     kept = f"kept {len(trace.calls)} calls of {len(trace.workflows())} workflows in {output}"
+    status_console(output).print(f"{file}: {repair_summary(fixed)}; {kept}", markup=False)
+
+
+def repair_summary(fixed) -> str:
+    """What `repair` found and dropped, for its status line (without the kept figures)."""
     if fixed.cut_line is None:
-        out.print(f"{file}: not cut (its last line is whole): copied unchanged to {output}")
-    elif fixed.at_line_end:
-        out.print(f"{file}: its last run stops at line {fixed.cut_line} without 'done' (a write stopped at a "
-                      f"line's end); dropped that run ({fixed.dropped_calls} call lines); {kept}")
+        return "not cut (its last line is whole): copied unchanged"
+    if fixed.at_line_end:
+        found = (f"its last run stops at line {fixed.cut_line} without 'done' (a write stopped at a "
+                 f"line's end)")
+        cut = ""
     else:
-        out.print(f"{file}: ends inside line {fixed.cut_line}; dropped that run ({fixed.dropped_calls} whole "
-                      f"call lines and the cut line); {kept}")
+        found, cut = f"ends inside line {fixed.cut_line}", " and the cut line"
+    if not fixed.dropped_calls:          # the cut line alone: every whole line's run has its 'done'
+        return f"{found}; dropped the cut line (every run before it has its 'done': true)"
+    lines = f"{fixed.dropped_calls} whole call line{'s' * (fixed.dropped_calls != 1)}"
+    if not fixed.any_done:
+        return (f"{found}; no call line has 'done': true, so no run is known to be whole: dropped every "
+                f"call ({lines} of {_runs(fixed.dropped_runs)}){cut}")
+    return (f"{found}; dropped every run without a 'done': true call ({lines} of "
+            f"{_runs(fixed.dropped_runs)}){cut}")
+
+
+def _runs(n: int) -> str:
+    return f"{n} run{'s' * (n != 1)}"
 
 
 @trace_app.command("import")
