@@ -482,6 +482,17 @@ def test_huge_probabilities_do_not_overflow():
     assert set(seconds) == {"checker", "closer"} and 0.27 < seconds.count("checker") / 400 < 0.47  # 1 : 1.7
 
 
+def test_huge_variable_weights_do_not_overflow():
+    # weights [1e308, 1e308] summed to inf, and a draw scaled by inf always took the last value;
+    # they mean what [1e307, 1e307] mean, and draw exactly as those do
+    def drawn(w):
+        spec = parse_spec({"name": "big", "agents": {"a": {"prompt": 10, "output": 5}}, "flow": {"start": "a"},
+                           "task": {"tokens": 5, "vars": {"v": {"values": ["x", "y"], "weights": [w, w]}}}})
+        return [r.task["v"] for r in runs(spec, 400, 0)]
+    huge = drawn(1e308)
+    assert huge == drawn(1e307) and 150 < huge.count("x") < 250
+
+
 def test_a_prompt_longer_than_any_model_serves_is_an_error_naming_the_call():
     # every count within its bound, but each output joins the next prompt: 100,000 tokens a step
     agent = {"prompt": 10, "output": 100_000}

@@ -80,7 +80,7 @@ class _Var:
 
     def __init__(self, name: str, spec: VarSpec):
         self.name, self.values = name, list(spec.values)
-        self.cum = list(accumulate(spec.weights or [1.0] * len(self.values)))
+        self.cum = list(accumulate(finite_sum(spec.weights or [1.0] * len(self.values))))
         self.words = None if spec.words is None else [spec.words_for(v) for v in self.values]
         self.noise, self.persist = spec.noise, spec.persist
 
@@ -147,10 +147,17 @@ def transition_weights(items: list[tuple[str, float | Expr | None]], env: dict, 
         ps.append(p)
     if rest is not None:
         ps[rest] = max(0.0, 1.0 - sum(ps))
-    if sum(ps) == math.inf:  # only then: every spec whose sum is finite draws exactly as before
-        top = max(ps)
-        ps = [p / top for p in ps]
-    return ps
+    return finite_sum(ps)
+
+
+def finite_sum(weights: list[float]) -> list[float]:
+    """`weights` (finite, >= 0) with a finite sum and the same ratios: as given when their sum is
+    finite (so every such spec draws exactly as before), else each divided by the largest (two
+    weights of 1e308 overflow to inf, and a draw scaled by inf always lands on the last)."""
+    if sum(weights) < math.inf:
+        return weights
+    top = max(weights)
+    return [w / top for w in weights]
 
 
 def _pick(rng: random.Random, items: list[tuple[str, float | Expr | None]], env: dict, where: str) -> str:
