@@ -11,7 +11,7 @@ from pathlib import Path
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.trace.io import read_trace, validate
 from pbkv.trace.stats import (END, MarkovPredictor, conditional_entropy, format_stats, markov_stats,
-                              percentile_summary, prefix_reuse, trace_stats, transitions)
+                              percentile_summary, prefix_reuse, tie_order, trace_stats, transitions)
 
 BS = 4
 DATA = Path(__file__).resolve().parent / "data"
@@ -97,8 +97,17 @@ def test_markov_accuracy_baselines_and_end():
     assert m["top"] == 0.6  # always C
     # +END fit: A->{B,C} tie -> B; B->{C,END} tie -> END (sorts first); C->END; D->C; overall END.
     # 10 test transitions, correct: (A,B) (B,END) (C,END)x3 (B,END) = 6
-    assert END < "A"
+    assert tie_order(END) < tie_order("A") and tie_order(END) < tie_order("<END>")
     assert (m["calls"], m["top1_end"]) == (10, 0.6)
+
+
+def test_an_agent_named_like_the_end_marker_is_an_agent():
+    # A -> X -> A: renaming X (even to "<END>", which the end marker used to be) changes no figure
+    def figures(x):
+        t = make_trace({"w": ["A", x, "A"]})
+        s = trace_stats(t, heldout=t)
+        return s["h_next_end"], s["markov"]["top1_end"]
+    assert figures("<END>") == figures("B") == (0.667, 0.667)
 
 
 def test_single_call_workflows_give_none_and_na():

@@ -20,7 +20,23 @@ from collections import Counter
 
 from pbkv.trace.call import Call, Trace
 
-END = "<END>"  # the end-of-workflow value of the +END variants (sorts before letters in ties)
+
+class _End:
+    """The end-of-workflow value of the +END variants. Not a string: any non-empty string is a valid
+    agent name, so a string marker ("<END>") made an agent of that name end its workflows, and
+    renaming an agent changed the figures."""
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END = _End()
+
+
+def tie_order(agent) -> tuple[str, int]:
+    """Where `agent` (a name or END) goes when counts tie: by name, END as if named "<END>" (before
+    letters) and before an agent really named so."""
+    return ("<END>", 0) if agent is END else (agent, 1)
 
 
 def percentile_summary(values: list[float]) -> dict | None:
@@ -91,8 +107,8 @@ def conditional_entropy(pairs: list[tuple[str, str]]) -> float | None:
 
 
 def most_frequent(counts: Counter) -> str:
-    """The value with the highest count, ties broken by smallest name."""
-    return min(counts, key=lambda a: (-counts[a], a))
+    """The value with the highest count, ties broken by smallest name (`tie_order`)."""
+    return min(counts, key=lambda a: (-counts[a], tie_order(a)))
 
 
 class MarkovPredictor:
