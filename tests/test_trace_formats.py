@@ -98,6 +98,15 @@ def test_malformed_rows_fail_with_file_line_field_and_value(fmt, name, message):
         import_trace(fmt, DATA / "bad" / name, source_block_size=32 if fmt == "agentic-mooncake" else None)
 
 
+@pytest.mark.parametrize("field", ["timestamp", "output_length"])
+def test_a_json_integer_too_large_for_a_float_is_a_field_error(tmp_path, field):
+    row = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1], field: 10**400}
+    (tmp_path / "m.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(TraceError, match=rf"m.jsonl:1: field '{field}': expected (a finite number >= 0|an integer "
+                                         rf"from 0 to 1,000,000,000), got 1000000000"):
+        import_trace("mooncake", tmp_path / "m.jsonl")
+
+
 @pytest.mark.parametrize("data, message", [
     ("\ufeff{}".encode("utf-16"), r"m.jsonl:1: the file is UTF-16 \(it starts with a byte-order mark\)"),
     (b"\x80{}\n", r"m.jsonl:1: not UTF-8 text \(byte 0x80 at column 1\)"),

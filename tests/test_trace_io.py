@@ -94,6 +94,13 @@ def test_gzip_output_is_byte_identical(tmp_path):
     ([META, call(hash_ids=[1, "x", 3])], r"field 'hash_ids': expected a list of integers"),
     ([META, call(t=-1)], r"field 't': expected a finite number >= 0, got -1"),
     ([META, call(tool_wait="soon")], r"field 'tool_wait': expected a finite number >= 0, got 'soon'"),
+    # a JSON integer too large for a float: an error, not an OverflowError
+    ([META, call(t=10**400)], r"t.jsonl:2: field 't': expected a finite number >= 0, got 1000000000"),
+    ([META, call(tool_wait=10**400)], r"t.jsonl:2: field 'tool_wait': expected a finite number >= 0, got 1000"),
+    ([META, call(output_length=10**400)], r"t.jsonl:2: field 'output_length': expected an integer from 0 to "
+                                          r"1,000,000,000, got 1000000000"),
+    ([META, call(input_length=10**9 + 1, hash_ids=[1])], r"t.jsonl:2: field 'input_length': expected an integer "
+                                                         r"from 1 to 1,000,000,000, got 1000000001$"),
     ([META, call(done="yes")], r"field 'done': expected true or false, got 'yes'"),
     ([META, call(), call()], r"t.jsonl:3: field 'step': duplicate step 0 of workflow 'w' \(first at line 2\)"),
     ([META, call(), call(step=2, hash_ids=[1, 2, 5])], r"t.jsonl:3: field 'step': workflow 'w' has no step 1"),

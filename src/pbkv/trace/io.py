@@ -21,6 +21,10 @@ from pbkv.trace.lines import TraceError, display_name, read_lines
 CALL_FIELDS = ("workflow_id", "step", "agent", "workload", "t", "tool_wait", "input_length",
                "output_length", "hash_ids", "context", "done")
 META_FIELDS = ("block_size", "source", "license", "notes")
+# The most tokens an `input_length` or `output_length` may hold: a thousand times the longest
+# context any model serves, and exact as a float, so every figure computed from lengths (means,
+# percentiles, costs) is a finite number; a JSON integer may otherwise be of any size (10**400).
+MAX_LENGTH = 1_000_000_000
 
 
 @contextmanager
@@ -49,7 +53,14 @@ def is_int(v) -> bool:
 
 
 def is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """An int or float (not a bool) that is finite as a float: a JSON integer too large for a
+    float (10**400) is not one (`math.isfinite` raises OverflowError on it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 class RowChecker:
@@ -68,13 +79,19 @@ class RowChecker:
             raise TraceError(f"{self.where}: field '{field}': required field is missing")
         return self.obj[field]
 
-    def int_field(self, field: str, minimum: int, required: bool = True):
+    def int_field(self, field: str, minimum: int, required: bool = True, maximum: int | None = None):
         if field not in self.obj and not required:
             return None
         v = self.required(field)
         if not is_int(v) or v < minimum:
             self.fail(field, f"expected an integer >= {minimum}")
+        if maximum is not None and v > maximum:
+            self.fail(field, f"expected an integer from {minimum} to {maximum:,}")
         return v
+
+    def length_field(self, field: str, minimum: int) -> int:
+        """A token count: an integer from `minimum` to MAX_LENGTH."""
+        return self.int_field(field, minimum, maximum=MAX_LENGTH)
 
     def str_field(self, field: str, required: bool = True, nonempty: bool = True):
         if field not in self.obj and not required:
@@ -133,8 +150,8 @@ def parse_call(obj: dict, where: str, block_size: int) -> Call:
     wf = chk.str_field("workflow_id")
     step = chk.int_field("step", 0)
     agent = chk.str_field("agent")
-    input_length = chk.int_field("input_length", 1)
-    output_length = chk.int_field("output_length", 0)
+    input_length = chk.length_field("input_length", 1)
+    output_length = chk.length_field("output_length", 0)
     hash_ids = chk.required("hash_ids")
     if not isinstance(hash_ids, list) or not all(is_int(h) for h in hash_ids):
         chk.fail("hash_ids", "expected a list of integers")

@@ -82,8 +82,8 @@ def number(chk: RowChecker, name: str, required: bool = False) -> float | None:
 
 def lengths_and_ids(chk: RowChecker, block_size: int) -> tuple[int, int, list[int]]:
     """(input_length, output_length, hash_ids), with `ceil(input_length / block_size)` ids."""
-    input_length = chk.int_field("input_length", 1)
-    output_length = chk.int_field("output_length", 0)
+    input_length = chk.length_field("input_length", 1)
+    output_length = chk.length_field("output_length", 0)
     ids = chk.required("hash_ids")
     if not isinstance(ids, list) or not all(is_int(h) for h in ids):
         chk.fail("hash_ids", "expected a list of integers")
