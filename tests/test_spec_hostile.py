@@ -168,6 +168,34 @@ def test_float_fields_take_numbers_only(var, expected):
         parse_spec(spec, "lax.yaml")
 
 
+HUGE = 10**400  # read exactly by YAML and JSON; too large for a float
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda s: s["flow"].update(transitions={"a": [{"to": "a", "p": HUGE}]}),
+     "flow.transitions.a[0].p: expected a number >= 0 or an expression string"),
+    (lambda s: s["agents"]["a"].update(output=HUGE), "agents.a.output: expected an integer >= 1"),
+    (lambda s: s["agents"]["a"].update(tool={"tokens": [1, HUGE], "wait": 1}), "agents.a.tool.tokens: expected an"),
+    (lambda s: s["agents"]["a"].update(tool={"tokens": 1, "wait": HUGE}), "agents.a.tool.wait: expected a number"),
+    (lambda s: s["task"].update(tokens=HUGE), "task.tokens: expected an integer >= 1"),
+    (lambda s: s["task"].update(vars={"v": {"values": [1, 2], "weights": [HUGE, 1]}}),
+     "task.vars.v.weights[0]: expected a number >= 0"),
+    (lambda s: s["task"].update(vars={"v": {"values": [1, 2], "noise": HUGE}}),
+     "task.vars.v.noise: expected a number from 0 to 1"),
+    (lambda s: s.update(turn_vars={"t": {"values": [1, 2], "persist": HUGE}}),
+     "turn_vars.t.persist: expected a number from 0 to 1"),
+    (lambda s: s.update(turn_vars={"t": {"values": [HUGE, 2]}}),
+     "turn_vars.t.values: values must be strings, numbers or booleans, got 100000"),
+])
+def test_an_integer_too_large_for_a_float_is_a_field_error_naming_the_file(tmp_path, edit, expected):
+    spec = small()
+    edit(spec)
+    with pytest.raises(SpecError) as err:  # not an OverflowError
+        load_spec(write(tmp_path, "big.yaml", yaml.safe_dump(spec)))
+    line = str(err.value)
+    assert line.startswith(f"{tmp_path / 'big.yaml'}: {expected}") and len(line) < 300, line
+
+
 def test_float_fields_take_ints_and_floats():
     var = parse_spec(with_var(noise=0, weights=[1, 2.5]), "ok.yaml").task.vars["v"]
     assert (var.noise, var.weights) == (0.0, [1.0, 2.5]) and type(var.noise) is float

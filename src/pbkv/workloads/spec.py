@@ -53,7 +53,14 @@ MAX_WORKFLOW_IDS = 20_000_000
 # ---------------------------------------------------------------- field types
 
 def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """An int or float (not a bool) that is finite as a float: an integer too large for a float
+    (10**400, which YAML and JSON read exactly) is not one (`math.isfinite` raises OverflowError)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _range(integer: bool, minimum: float, maximum: float = math.inf, unit: str = ""):
@@ -140,7 +147,7 @@ class VarSpec(_Model):
     def _scalars(cls, values: list) -> list:
         for v in values:
             if not (isinstance(v, (str, bool)) or _number(v)):
-                raise ValueError(f"values must be strings, numbers or booleans, got {v!r}")
+                raise ValueError(f"values must be strings, numbers or booleans, got {show(v)}")
         keys = [value_key(v) for v in values]
         dup = sorted({k for k in keys if keys.count(k) > 1})
         if dup:
