@@ -443,6 +443,17 @@ def test_expressions_refuse_long_sequences_before_building_them():
     assert compile_expr("0 if step < 9 else 'a' + 1", ns, scalars=("step",))(env) == 0
 
 
+@pytest.mark.parametrize("p", ["1" + "0" * 400, "(step + 1) * 1" + "0" * 400, "1e308 * 10"])
+def test_a_p_evaluating_past_a_float_is_an_error_naming_the_transition(p):
+    # 10**400 compares below inf but overflowed the sum of the list (OverflowError)
+    data = yaml.safe_load(MINI)
+    data["flow"]["transitions"]["intake"] = [{"to": "checker", "p": p}, {"to": "END", "p": 0.5}]
+    data["flow"]["start"] = "intake"
+    with pytest.raises(ExprError, match=r"flow.transitions.intake: p of 'checker' evaluated to ([0-9]{50}|inf)"
+                                        r".*, expected a finite number >= 0$"):
+        list(runs(parse_spec(data, "mini.yaml"), 3))
+
+
 def test_long_values_are_cut_in_error_messages():
     data = yaml.safe_load(MINI)
     data["flow"]["transitions"]["intake"] = [{"to": "checker", "p": "[1] * 300"}]
@@ -451,7 +462,7 @@ def test_long_values_are_cut_in_error_messages():
         generate(parse_spec(data, "mini.yaml"), 1)
     msg = str(err.value)
     assert "flow.transitions.intake: p of 'checker' evaluated to (1, 1, 1," in msg
-    assert msg.endswith(" 1,..., expected a number >= 0") and len(msg) < 160
+    assert msg.endswith(" 1,..., expected a finite number >= 0") and len(msg) < 200
     with pytest.raises(ExprError, match=r"^no key \('x{55}\.\.\. in task$"):  # 60 characters
         compile_expr("task[['x' * 200, 'x' * 200]]", {"task": None})({"task": {}})
 

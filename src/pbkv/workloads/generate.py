@@ -142,12 +142,23 @@ def transition_weights(items: list[tuple[str, float | Expr | None]], env: dict, 
                 p = p(env)
             except ExprError as e:
                 raise ExprError(f"{where}: {e}") from None
-            if not isinstance(p, (int, float)) or not 0 <= p < math.inf:  # a bool is 0 or 1
-                raise ExprError(f"{where}: p of '{to}' evaluated to {show(p)}, expected a number >= 0")
+            if not _finite_weight(p):
+                raise ExprError(f"{where}: p of '{to}' evaluated to {show(p)}, expected a finite number >= 0")
         ps.append(p)
     if rest is not None:
         ps[rest] = max(0.0, 1.0 - sum(ps))
     return finite_sum(ps)
+
+
+def _finite_weight(p) -> bool:
+    """An int or float (a bool is 0 or 1) >= 0 and finite as a float: an expression may give an
+    integer too large for one (10**400, which compares below inf but overflows every sum)."""
+    if not isinstance(p, (int, float)):
+        return False
+    try:
+        return 0 <= float(p) < math.inf
+    except OverflowError:
+        return False
 
 
 def finite_sum(weights: list[float]) -> list[float]:
