@@ -285,3 +285,24 @@ def test_an_empty_output_path_is_refused_not_read_as_the_current_folder(tmp_path
         flat = " ".join(r.output.replace("│", " ").split())   # the message may wrap inside rich's box
         assert r.exit_code == 2 and "is empty: give a path" in flat, (args, r.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == [trace.name]
+
+
+# ---- status lines print file names as text, not rich markup
+def test_status_lines_print_bracketed_file_names_as_given(tmp_path):
+    """'out[v2].jsonl' was printed as 'out.jsonl' (rich read '[v2]' as a tag), and a name holding a
+    closing tag ('d[/v2].jsonl') crashed with a MarkupError after the file was written."""
+    (tmp_path / "d[").mkdir()
+    names = [str(tmp_path / n) for n in ("out[v2].jsonl", "d[/v2].jsonl", "t[bold].jsonl", "s[/].jsonl")]
+    gen = _gen(tmp_path, name="g[red].jsonl")
+    row = {"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [1]}
+    (tmp_path / "m[x].jsonl").write_text(json.dumps(row) + "\n")
+    for args, shown in [
+        (["gen", "hover", "--workflows", "2", "-o", names[0]], names[0]),
+        (["trace", "flatten", str(gen), "-o", names[1]], names[1]),
+        (["trace", "split", str(gen), "--train-out", names[2], "--test-out", names[3]], names[3]),
+        (["trace", "repair", str(gen), "-o", names[0]], f"{gen}: not cut"),
+        (["trace", "import", "--from", "mooncake", str(tmp_path / "m[x].jsonl"), "-o", names[1]], names[1]),
+        (["trace", "export", "--to", "agentic-mooncake", str(gen), "-o", names[2]], names[2]),
+    ]:
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0 and shown in _one_line(r.output), (args, r.output)

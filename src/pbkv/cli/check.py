@@ -31,7 +31,7 @@ def calibrate(
         prof = run_calibrate(HFConfig(model=model, threads=threads), output, max_len, repeats)
     for line in prof["sources"][:-1]:
         console.print(line)
-    console.print(f"profile: {output}")
+    console.print(f"profile: {output}", markup=False)  # a path is text, not rich markup
 
 
 SIMCHECK_WORKFLOWS = 8   # --workflows when not given
@@ -92,7 +92,7 @@ def simcheck(
             caption = f"profile {name}" + (f" ({profile})" if profile != name else "")
         else:
             profile = str(out / "profile.json")
-            console.print(f"calibrating {model} -> {profile}")
+            console.print(f"calibrating {model} -> {profile}", markup=False)
             run_calibrate(hf, Path(profile))
             caption = f"the profile calibrated now ({profile})"
         rows = run_simcheck(source, names, lanes, hf, profile,
@@ -111,7 +111,7 @@ def simcheck(
     for line in verdict(rows):
         console.print(line)
     save_json(out / "simcheck.json", rows)
-    console.print(f"results: {out / 'simcheck.json'}")
+    console.print(f"results: {out / 'simcheck.json'}", markup=False)
 
 
 def policy_list(value: str) -> list[str]:

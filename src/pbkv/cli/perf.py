@@ -28,7 +28,8 @@ def perf_sim(
     with exit_on_error():
         r = sim_speed(workload, workflows, lanes, policy, model, note=print_note)
     console.print(f"{r['calls']} calls in {r['seconds']:.2f} s: {r['calls_per_minute']:,.0f} calls simulated per minute "
-                  f"({workload}, {policy}, concurrency {concurrency}; generation not counted)")
+                  f"({workload}, {policy}, concurrency {concurrency}; generation not counted)",
+                  markup=False)  # a spec file's path is text, not rich markup
 
 
 @perf_app.command("policy")
@@ -51,7 +52,7 @@ def perf_policy(
                             CacheConfig(device_tokens, host_tokens), note=print_note)
     console.print(f"{policy} on {workload} (concurrency {concurrency}): {r['policy_seconds']:.2f} s of policy decisions "
                   f"for {r['calls']} calls ({r['us_per_call']:.0f} us per call) in a simulated run of "
-                  f"{r['makespan_s']:,.0f} s: {r['overhead'] * 100:.3f}% added")
+                  f"{r['makespan_s']:,.0f} s: {r['overhead'] * 100:.3f}% added", markup=False)
 
 
 @perf_app.command("evict")
@@ -72,7 +73,7 @@ def perf_evict(
     load = f"; load average {r['load']:.1f}" if r["load"] is not None else ""
     console.print(f"{r['evicted']} nodes evicted from a full {r['nodes']:,}-node tree with live workflows in "
                   f"{r['seconds'] * 1e3:.1f} ms of CPU time: {r['us_per_node']:.1f} us per evicted node "
-                  f"({policy}{used}{load})")
+                  f"({policy}{used}{load})", markup=False)  # a predictor folder's path is text
 
 
 def predictor_arg(policy: str, predictor: Path | None) -> str | None:

@@ -51,8 +51,9 @@ def train(
                   f"{'n/a' if top1 is None else f'{top1:.3f}'}")
     if carried:
         console.print(f"kept the {carried:,} workflows servers learned from ({output}'s workflows.json) with the "
-                      f"new version: the next pbkv serve --predictor {output} starts its window with them")
-    console.print(f"saved: {output}")
+                      f"new version: the next pbkv serve --predictor {output} starts its window with them",
+                      markup=False)  # a path is text, not rich markup
+    console.print(f"saved: {output}", markup=False)
 
 
 def _save_keeping_history(p, output: Path) -> int:
@@ -117,7 +118,7 @@ def predict_eval(
     if json_path:
         out = {prefix + k: v for _, prefix, m in rows for k, v in m.items()}
         save_json(json_path, out)
-        console.print(f"results: {json_path}")
+        console.print(f"results: {json_path}", markup=False)
 
 
 def _saved_rows(predictor: Path, trace: Path, split: bool, seed: int) -> tuple[list[tuple[str, str, dict]], str | None]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, ModelOpt, OnlineOpt, PolicyOpt,
                              PredictorOpt, RouterOpt, ThreadsOpt, written_path, console, exit_on_error, fail, output_folder)
@@ -95,7 +96,7 @@ def serve(
     if api_key is None and os.environ.get("PBKV_API_KEY") == "":  # click reads an empty variable as unset
         api_key = ""                                               # refused below, with the flag's message
     if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        console.print(f"[yellow]warning:[/yellow] binding {host} without --api-key: anyone who reaches it can use it")
+        console.print(f"[yellow]warning:[/yellow] binding {escape(host)} without --api-key: anyone who reaches it can use it")
     # absolute paths (here and below): with --replicas the engines run in Ray workers, whose working
     # folder is not this one
     cache = CacheConfig(device_tokens, host_tokens, disk_tokens,

@@ -32,7 +32,8 @@ def gen(
     with exit_on_error():
         trace = generate(load_spec(str(spec) if spec else workload), workflows, seed)
         write_trace(trace, output)
-    status_console(output).print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}")
+    status_console(output).print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}",
+                                 markup=False)  # a path is text: rich would read 'out[v2].jsonl' as markup
 
 
 @trace_app.command("stats")
@@ -77,7 +78,8 @@ def trace_split_cmd(
         write_trace(train, train_out)
         write_trace(test, test_out)
     status_console(train_out, test_out).print(
-        f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}")
+        f"{len(train.workflows())} workflows -> {train_out}; {len(test.workflows())} workflows -> {test_out}",
+        markup=False)
 
 
 @trace_app.command("flatten")
@@ -91,7 +93,7 @@ def trace_flatten_cmd(file: TraceFileArg, output: OutputOpt):
     with exit_on_error():
         trace = flatten(read_trace(file))
         write_trace(trace, output)
-    status_console(output).print(f"wrote {len(trace.calls)} one-call workflows to {output}")
+    status_console(output).print(f"wrote {len(trace.calls)} one-call workflows to {output}", markup=False)
 
 
 @trace_app.command("repair")
@@ -159,7 +161,8 @@ def trace_import_cmd(
                                         source_block_size=source_block_size)
         except OptionError as e:  # an unknown --from, a missing --source-block-size: the command line's fault
             fail(str(e))
-    status_console(output).print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}")
+    status_console(output).print(report.summary(len(trace.workflows()), len(trace.calls)) + f" -> {output}",
+                                 markup=False)
     print_notes(report.notes, status_console(output))
 
 
@@ -179,7 +182,7 @@ def trace_export_cmd(
             report = export_file(fmt, file, output)
         except OptionError as e:  # an unknown --to: the command line's fault
             fail(str(e))
-    status_console(output).print(report.summary(output))
+    status_console(output).print(report.summary(output), markup=False)
     print_notes(report.notes, status_console(output))
 
 
