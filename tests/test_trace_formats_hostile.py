@@ -71,6 +71,22 @@ def test_cli_export_bad_delay_ms_is_one_error_line_not_a_traceback(tmp_path):
     assert "t.jsonl:2: field 'delay_ms'" in one_line(r.output) and "got null" in one_line(r.output)
 
 
+@pytest.mark.parametrize("rows, line, field", [
+    ([call(0, t=1.7e308)], 1, "t"),
+    ([call(0), call(1, tool_wait=1.7e308)], 2, "tool_wait"),
+    ([call(0, t=1e305, tool_wait=1e305)], 1, "tool_wait"),   # each fits; the first row's t + tool_wait does not
+], ids=["t", "tool_wait", "first-row-sum"])
+def test_export_refuses_times_whose_milliseconds_overflow(tmp_path, rows, line, field):
+    # a valid trace (finite t, tool_wait): x 1000 gave inf, and json.dumps failed naming no line
+    src = jsonl(tmp_path / "t.jsonl", rows)
+    read_trace(src)
+    r = runner.invoke(app, ["trace", "export", "--to", "agentic-mooncake", str(src), "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 1, r.output
+    assert re.search(rf"^error: .*t.jsonl:{line}: field '{field}': expected at most 1.798e\+305 s.*written in "
+                     rf"milliseconds, which must be a finite number, got 1(.7)?e\+30[58]$", one_line(r.output)), r.output
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_a_valid_delay_ms_is_written_as_delay_and_reads_back(tmp_path):
     src = jsonl(tmp_path / "t.jsonl", [call(0), call(1, tool_wait=2, delay_ms=5)])
     export_file("agentic-mooncake", src, tmp_path / "o.jsonl")

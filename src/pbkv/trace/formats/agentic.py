@@ -29,7 +29,8 @@ When `--limit` stops before the end of the file, no session's last kept row gets
 The export writes `delay_ms` (where the import keeps `delay`) back as `delay` and the rest of
 `tool_wait` as `tool_wait_ms`, refusing a `delay_ms` that is not a finite number >= 0 or that exceeds
 the call's `tool_wait` (in ms; no `tool_wait` is no wait): the row would wait longer than the call
-does in pbkv's replay, and no `tool_wait_ms` >= 0 could make up the difference; `context` and other extra keys have no field in these rows and
+does in pbkv's replay, and no `tool_wait_ms` >= 0 could make up the difference; it refuses as well a `t`
+or `tool_wait` whose milliseconds overflow to inf (above MAX_SECONDS); `context` and other extra keys have no field in these rows and
 are not written (a note counts them), nor has the metadata line (a note names the license, source,
 notes and other keys; a metadata `workload` is written on every row without its own).
 """
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
+import sys
 from typing import IO, Callable
 
 from pbkv.trace.call import Call, Trace
@@ -46,6 +49,9 @@ from pbkv.trace.formats.base import (Edge, ExportReport, ImportReport, Row, leng
 from pbkv.trace.io import RowChecker, is_number, show_value
 
 BLOCK_SIZE = None  # not recorded in the files
+# The longest time (s) whose milliseconds are still a finite float: rows hold times in ms (x 1000),
+# and a valid trace's t or tool_wait (any finite number) may be larger (1.7e308 s).
+MAX_SECONDS = sys.float_info.max / 1000.0
 
 
 def _parse(row: Row, block_size: int) -> dict:
@@ -251,8 +257,10 @@ def check(trace: Trace, where: Callable[[int], str]) -> None:
     wrongly: `delay_ms` (pbkv's import keeps Dynamo's `delay` there; written back as `delay` on
     steps after the first) must be a finite number >= 0, as the importer requires of `delay`, and
     at most the call's `tool_wait` in ms. Invariant of an accepted trace: every written row's
-    `delay` + `tool_wait_ms` is its call's `tool_wait` x 1000 (0 when absent)."""
+    `delay` + `tool_wait_ms` is its call's `tool_wait` x 1000 (0 when absent), and every time
+    written in ms is a finite number (`_check_ms`)."""
     for i, call in enumerate(trace.calls):
+        _check_ms(call, where(i))
         v = call.extra.get("delay_ms", 0.0)
         if not call.step:
             continue
@@ -261,6 +269,20 @@ def check(trace: Trace, where: Callable[[int], str]) -> None:
                 "delay_ms", "expected a finite number >= 0 (milliseconds: written as Dynamo's `delay`)")
         if _exceeds(v, call.tool_wait):
             RowChecker(where(i), call.extra).fail("delay_ms", _too_long(call.tool_wait))
+
+
+def _check_ms(call: Call, where: str) -> None:
+    """`TraceError` at `where` naming `t` or `tool_wait` when the milliseconds `write` makes of it
+    are not a finite number (they would overflow to inf, which no JSON holds): `t` x 1000, and
+    `tool_wait` x 1000, on a first call added to `t` (its row's `timestamp`)."""
+    first = not call.step
+    written = {"t": call.t or 0.0, "tool_wait": (call.tool_wait or 0.0) + (call.t or 0.0) * first}
+    for name, seconds in written.items():
+        if not math.isfinite(seconds * 1000.0):
+            plus = " together with t (a first row's timestamp is t + tool_wait)" if name == "tool_wait" and first else ""
+            RowChecker(where, {name: getattr(call, name)}).fail(
+                name, f"expected at most {MAX_SECONDS:.4g} s{plus}: written in milliseconds, which must be "
+                      f"a finite number")
 
 
 def _exceeds(delay_ms: float, tool_wait: float | None) -> bool:
