@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
 import yaml
 
-from pbkv.workloads import SpecError, generate, load_spec, parse_spec
+from pbkv.workloads import ExprError, SpecError, generate, load_spec, parse_spec
 from pbkv.workloads.expr import show
 
 AGENT = {"prompt": 100, "output": 10}
@@ -256,3 +257,40 @@ def test_a_workflow_that_could_need_too_many_hash_ids_is_refused_at_load():
 def test_an_integer_too_long_to_read_names_the_file(tmp_path, name, text):
     with pytest.raises(SpecError, match=rf"/{name}: not valid (JSON|YAML): Exceeds the limit \(4300 digits\)"):
         load_spec(write(tmp_path, name, text))
+
+
+def test_a_folder_named_like_a_spec_is_called_a_folder(tmp_path):
+    (tmp_path / "d.yaml").mkdir()
+    with pytest.raises(SpecError, match=r"d\.yaml: is a folder, not a spec file$"):
+        load_spec(tmp_path / "d.yaml")
+    with pytest.raises(SpecError, match=r"e\.yaml: no such spec file$"):
+        load_spec(tmp_path / "e.yaml")
+
+
+def test_a_json_spec_may_start_with_a_byte_order_mark_as_a_yaml_one_may(tmp_path):
+    text = json.dumps(small())
+    plain = load_spec(write(tmp_path, "s.json", text))
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbf" + yaml.safe_dump(small()).encode())
+    assert load_spec(tmp_path / "bom.json") == plain == load_spec(tmp_path / "bom.yaml")
+
+
+def test_an_expression_error_at_generation_names_the_spec_file(tmp_path):
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    path = write(tmp_path, "s.yaml", yaml.safe_dump(small(transitions={"a": [{"to": "a", "p": "[1]"}]})))
+    with pytest.raises(ExprError, match=rf"^{re.escape(str(path))}: x-0-00000 step 0: flow.transitions.a: p of 'a' evaluated to "
+                                        r"\(1,\)"):
+        generate(path, 1)
+    r = CliRunner().invoke(app, ["gen", "--spec", str(path), "--workflows", "1", "-o", str(tmp_path / "o.jsonl")])
+    assert r.exit_code == 2 and " ".join(r.output.split()).startswith(f"error: {path}: x-0-00000 step 0: "), r.output
+
+
+def test_gen_help_states_gens_own_workflows_default():
+    from typer.testing import CliRunner
+
+    from pbkv.cli import app
+    r = CliRunner().invoke(app, ["gen", "--help"], env={"COLUMNS": "200"})
+    said = " ".join(r.output.split())
+    assert "Workflows to generate. [default: 100]" in said and "bench and ablate" not in said, said

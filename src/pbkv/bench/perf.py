@@ -17,8 +17,9 @@ def sim_speed(workload: str, workflows: int, concurrency: int, policy: str, pred
     """`note(line)`, before the run, for each note on the replayed agents `predictor` never saw
     (as `pbkv bench --predictor` prints them)."""
     from pbkv.workloads import generate, load_spec
+    from pbkv.workloads.spec_files import spec_source
     spec = load_spec(workload)
-    wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
+    wl = Workload(workload, generate(spec, workflows, 0, spec_source(workload)), spec.edges())
     predictors = _predictors(policy, predictor)
     _agent_notes(predictors, predictor, wl, note)
     start = time.perf_counter()  # batched predictions (as `pbkv bench` makes them) are timed too
@@ -34,8 +35,9 @@ def policy_overhead(workload: str, policy: str, predictor: str | None, workflows
     against the simulated makespan of the same run: what the policy would add to serving time.
     `note` as for `sim_speed`."""
     from pbkv.workloads import generate, load_spec
+    from pbkv.workloads.spec_files import spec_source
     spec = load_spec(workload)
-    wl = Workload(workload, generate(spec, workflows, 0), spec.edges())
+    wl = Workload(workload, generate(spec, workflows, 0, spec_source(workload)), spec.edges())
     predictors = _predictors(policy, predictor)
     _agent_notes(predictors, predictor, wl, note)
     cfg = RunConfig(policy=policy, concurrency=concurrency, profile=load_profile("a6000-qwen3-32b"),

@@ -230,8 +230,8 @@ def _check_replaceable(folder: Path) -> None:
 
 def training_trace(source):
     """The generator's workflows under another seed: the same workload, never the replayed runs."""
-    from pbkv.workloads import generate, load_spec
-    return generate(load_spec(source.spec), max(source.workflows, TRAIN_WORKFLOWS), source.seed + 1)
+    from pbkv.workloads import generate
+    return generate(source.spec, max(source.workflows, TRAIN_WORKFLOWS), source.seed + 1)
 
 
 def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> str:

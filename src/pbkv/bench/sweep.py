@@ -112,8 +112,10 @@ def load_workload(source: Source) -> Workload:
         trace = read_trace(source.trace)
         return Workload(source.name, trace)
     from pbkv.workloads import generate, load_spec
+    from pbkv.workloads.spec_files import spec_source
     spec = load_spec(source.spec)
-    return Workload(source.name, generate(spec, source.workflows, source.seed), spec.edges())
+    trace = generate(spec, source.workflows, source.seed, spec_source(source.spec))  # errors name the file
+    return Workload(source.name, trace, spec.edges())
 
 
 def _run_one(args: tuple) -> dict:

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, check_outputs, console,
+from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, check_outputs, console,
                              written_path, exit_on_error, fail, output_file, output_opt, save_json,
                              status_console)
 
@@ -19,18 +19,18 @@ def gen(
     output: OutputOpt,
     workload: Annotated[Optional[str], typer.Argument(help="Built-in workload name (or use --spec).")] = None,
     spec: Annotated[Optional[Path], typer.Option(help="A workflow spec file (YAML or JSON).")] = None,
-    workflows: WorkflowsOpt = 100,
+    workflows: Annotated[int, typer.Option(min=1, help="Workflows to generate.")] = 100,
     seed: SeedOpt = 0,
 ):
     """Generate a workflow trace (docs/trace-format.md) from a built-in workload or a spec file."""
     from pbkv.trace import write_trace
-    from pbkv.workloads import builtin_names, generate, load_spec
+    from pbkv.workloads import builtin_names, generate
 
     if (workload is None) == (spec is None):
         fail(f"give a built-in workload ({', '.join(builtin_names())}) or --spec FILE, not both")
     check_outputs([spec], {"-o": output})
     with exit_on_error():
-        trace = generate(load_spec(str(spec) if spec else workload), workflows, seed)
+        trace = generate(str(spec) if spec else workload, workflows, seed)  # its errors name the file
         write_trace(trace, output)
     status_console(output).print(f"wrote {len(trace.calls)} calls of {workflows} workflows to {output}",
                                  markup=False)  # a path is text: rich would read 'out[v2].jsonl' as markup

@@ -41,7 +41,7 @@ from typing import Any, Iterator
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.workloads.expr import Expr, ExprError, show
 from pbkv.workloads.spec import END, MAX_PROMPT_TOKENS, START, VarSpec, WorkflowSpec
-from pbkv.workloads.spec_files import SpecError, load_spec
+from pbkv.workloads.spec_files import SpecError, load_spec, spec_source
 
 
 @dataclass
@@ -55,22 +55,33 @@ class Run:
     history: list[tuple[str, int]] = field(default_factory=list)  # (owner agent, tokens): outputs and tool results
 
 
-def generate(spec: WorkflowSpec | str | Path, workflows: int, seed: int = 0) -> Trace:
-    """`workflows` workflows of `spec` (a spec, built-in name or file) as one trace, ordered by workflow then step."""
-    spec = spec if isinstance(spec, WorkflowSpec) else load_spec(spec)
-    calls = [c for run in runs(spec, workflows, seed) for c in run.calls]
+def generate(spec: WorkflowSpec | str | Path, workflows: int, seed: int = 0, source: str | None = None) -> Trace:
+    """`workflows` workflows of `spec` (a spec, built-in name or file) as one trace, ordered by workflow
+    then step. An error of generation names `source` (default: the file a name or path reads)."""
+    if not isinstance(spec, WorkflowSpec):
+        source = source or spec_source(spec)
+        spec = load_spec(spec)
+    calls = [c for run in runs(spec, workflows, seed, source) for c in run.calls]
     meta = TraceMeta(block_size=spec.block_size, source=f"pbkv gen {spec.name} seed={seed}",
                      notes=f"{workflows} synthetic '{spec.name}' workflows. {spec.description}".strip())
     return Trace(meta=meta, calls=calls)
 
 
-def runs(spec: WorkflowSpec, workflows: int, seed: int = 0) -> Iterator[Run]:
-    """Workflows 0..workflows-1 one by one, each with its hidden truth (for tests and oracles)."""
+def runs(spec: WorkflowSpec, workflows: int, seed: int = 0, source: str | None = None) -> Iterator[Run]:
+    """Workflows 0..workflows-1 one by one, each with its hidden truth (for tests and oracles). An
+    error only a draw reveals (an expression's value, a start list all 0) starts with `source:`,
+    the spec's file, when given (a `WorkflowSpec` does not know the file it came from)."""
     if workflows < 0:
         raise ValueError(f"workflows must be >= 0, got {workflows}")
     gen = _Generator(spec)
     for i in range(workflows):
-        yield gen.workflow(seed, i)
+        try:
+            run = gen.workflow(seed, i)
+        except (ExprError, SpecError) as e:
+            if source is None:
+                raise
+            raise type(e)(f"{source}: {e}") from None
+        yield run
 
 
 # ---------------------------------------------------------------- compiled form of a spec

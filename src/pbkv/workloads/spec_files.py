@@ -152,24 +152,37 @@ def _hashable(key: Any) -> bool:
     return True
 
 
+def spec_source(name_or_path: str | Path) -> str:
+    """How errors name the spec `load_spec(name_or_path)` reads: `hover.yaml` for a built-in, else
+    the path as given."""
+    text = str(name_or_path)
+    return f"{text}.yaml" if isinstance(name_or_path, str) and text in builtin_names() else text
+
+
 def load_spec(name_or_path: str | Path) -> WorkflowSpec:
     """Load a built-in spec by name (`hover`) or a spec file (.yaml, .yml or .json)."""
-    text = str(name_or_path)
+    text, source = str(name_or_path), spec_source(name_or_path)
     if isinstance(name_or_path, str) and text in builtin_names():
-        path, source = BUILTIN_DIR / f"{text}.yaml", f"{text}.yaml"
+        path = BUILTIN_DIR / source
     else:
-        path, source = Path(name_or_path), text
+        path = Path(name_or_path)
         if path.suffix.lower() not in SUFFIXES:
             raise SpecError(f"{text}: not a built-in workload ({', '.join(builtin_names())}) "
                             f"and not a {'/'.join(SUFFIXES)} file")
-        if not path.is_file():
+        if path.is_dir():
+            raise SpecError(f"{text}: is a folder, not a spec file")
+        if not path.exists():
             raise SpecError(f"{text}: no such spec file")
+        if not path.is_file():   # a FIFO or device: reading it could block or never end
+            raise SpecError(f"{text}: not a regular file")
     return parse_spec(_read(read_text(path, source, SpecError), path.suffix.lower() == ".json", source), source)
 
 
 def _read(raw: str, is_json: bool, source: str) -> Any:
     """Parsed spec text; every failure is a SpecError naming `source` (and the line where known)."""
     kind = "JSON" if is_json else "YAML"
+    if is_json:
+        raw = raw.removeprefix("\ufeff")  # a byte-order mark, as editors write it: YAML's reader skips it
     try:
         return _parse(raw, is_json)
     except json.JSONDecodeError as e:
