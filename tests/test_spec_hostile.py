@@ -293,4 +293,4 @@ def test_gen_help_states_gens_own_workflows_default():
     from pbkv.cli import app
     r = CliRunner().invoke(app, ["gen", "--help"], env={"COLUMNS": "200"})
     said = " ".join(r.output.split())
-    assert "Workflows to generate. [default: 100]" in said and "bench and ablate" not in said, said
+    assert "(gen: 100, bench and ablate: 400," in said and "[default: 100]" in said, said

@@ -59,8 +59,8 @@ TrainOpt = Annotated[Optional[list[Path]], typer.Option(
                     "predictor: trained on --train, loaded from --predictor, or (generated workloads) trained on "
                     "the generator with seed + 1.")]
 WorkflowsOpt = Annotated[int, typer.Option(min=1, help=(
-    "Workflows per generated workload (bench and ablate: 400, simcheck: 8; not with a trace, which is replayed "
-    "whole)."))]
+    "Workflows per generated workload (gen: 100, bench and ablate: 400, simcheck: 8, perf sim: 2000, perf "
+    "policy: 600; not with a trace, which is replayed whole)."))]
 # 0 .. 2**63-1: torch.manual_seed takes at most 2**64-1, and a derived seed (bench trains on seed + 1) stays in range
 SEED_MAX = 2 ** 63 - 1
 SeedOpt = Annotated[int, typer.Option(min=0, max=SEED_MAX, help=(

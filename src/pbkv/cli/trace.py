@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, check_outputs, console,
+from pbkv.cli.common import (JsonOpt, OutputOpt, SeedOpt, TraceFileArg, WorkflowsOpt, check_outputs, console,
                              written_path, exit_on_error, fail, output_file, output_opt, save_json,
                              status_console)
 
@@ -19,7 +19,7 @@ def gen(
     output: OutputOpt,
     workload: Annotated[Optional[str], typer.Argument(help="Built-in workload name (or use --spec).")] = None,
     spec: Annotated[Optional[Path], typer.Option(help="A workflow spec file (YAML or JSON).")] = None,
-    workflows: Annotated[int, typer.Option(min=1, help="Workflows to generate.")] = 100,
+    workflows: WorkflowsOpt = 100,
     seed: SeedOpt = 0,
 ):
     """Generate a workflow trace (docs/trace-format.md) from a built-in workload or a spec file."""
