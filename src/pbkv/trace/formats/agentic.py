@@ -279,7 +279,8 @@ def _check_ms(call: Call, where: str) -> None:
     written = {"t": call.t or 0.0, "tool_wait": (call.tool_wait or 0.0) + (call.t or 0.0) * first}
     for name, seconds in written.items():
         if not math.isfinite(seconds * 1000.0):
-            plus = " together with t (a first row's timestamp is t + tool_wait)" if name == "tool_wait" and first else ""
+            plus = (" together with t (a first row's timestamp is t + tool_wait)"
+                    if name == "tool_wait" and first else "")
             RowChecker(where, {name: getattr(call, name)}).fail(
                 name, f"expected at most {MAX_SECONDS:.4g} s{plus}: written in milliseconds, which must be "
                       f"a finite number")
