@@ -168,6 +168,15 @@ def test_training_is_deterministic_given_the_seed():
     assert not np.array_equal(pa.probs, pc.probs)
 
 
+def test_train_figures_count_the_real_workflows_not_the_unknown_agent_copies():
+    # training adds ~10% copies with an agent renamed <unk> (unknown_agent_copies); the figures
+    # `pbkv train` prints (samples, train-set top-1) are those of the train set itself
+    trace = make_trace([["A", "B", "C"]] * 40)
+    p = train_predictor(trace, variant="history", epochs=3, seed=0)
+    assert p.info["samples"] == 120 and p.info["refit"]   # 120 positions; refit: on every workflow
+    assert p.info["train_top1_k1"] == pytest.approx(evaluate(p, trace, timing=False)["top1_k1"])
+
+
 def test_rare_agents_become_the_unknown_class():
     wfs = [["a", "b"]] * 30 + [["a", "rare"]]  # 'rare' has 1 call: mapped to UNK in training
     p = train_predictor(make_trace(wfs), epochs=2, seed=0)

@@ -167,6 +167,9 @@ def _train_net(cfg: ModelConfig, feat: Featurizer, wfs: list[list[Call]], opt: T
     adj = transition_matrices([[feat.tok(c.agent) for c in w] for w in wfs], feat.vocab_size, feat.start)
     torch.manual_seed(seed)
     net = PredictorNet(cfg, *adj)
+    # the real workflows' samples come first, then the <unk> copies': training uses all of them,
+    # the figures reported (samples, train-set top-1) count the real ones only
+    real = sum(map(len, wfs))
     items, tgt, cont, mask, hid = build_samples(wfs + unknown_agent_copies(wfs, opt.unk_fraction, seed), feat,
                                                 cfg.horizon, opt.hidden_fn)
     x = NeuralPredictor(net, feat.agents).tensors(items, hid)
@@ -191,10 +194,10 @@ def _train_net(cfg: ModelConfig, feat: Featurizer, wfs: list[list[Call]], opt: T
             tick(total)
     net.eval()
     with torch.inference_mode():
-        a_log = net(x)[0][:, 0].argmax(-1).numpy()
-    alive = tgt[:, 0] >= 0
-    top1 = float((a_log[alive] == tgt[alive, 0]).mean()) if alive.any() else None
-    return net, {"samples": n, "epochs": epochs, "steps": total, "train_top1_k1": top1}
+        a_log = net({k: v[:real] for k, v in x.items()})[0][:, 0].argmax(-1).numpy()
+    alive = tgt[:real, 0] >= 0
+    top1 = float((a_log[alive] == tgt[:real][alive, 0]).mean()) if alive.any() else None
+    return net, {"samples": real, "epochs": epochs, "steps": total, "train_top1_k1": top1}
 
 
 def train_predictor(traces: Trace | list[Trace], variant: str = "fused", horizon: int = 3,
