@@ -89,6 +89,31 @@ def test_the_byte_bound_evicts_least_recently_used(tmp_path):
     assert s.total_bytes() <= s.max_bytes and s.stats.evicted_files == 2
 
 
+def test_several_writers_keep_the_folder_within_the_bound(tmp_path):
+    # four processes' handles on one folder, one bound (as four `pbkv serve --shared-dir D
+    # --shared-bytes N`): the KV files never pass N, counted as whole files (headers too), and
+    # a writer scans the folder every 1/40 of the bound it writes, not at every put
+    clock = Clock()
+    probe = SharedKVDir(tmp_path / "probe", MODEL, 10**9)
+    probe.put(0, block(0))
+    size = probe.path(0).stat().st_size
+    assert probe.stats.bytes_written == size        # the whole file, not the tensor's 4,096 bytes
+    bound = 120 * size
+    writers = [SharedKVDir(tmp_path / "kv", MODEL, bound, clock=clock) for _ in range(4)]
+    scans = []
+    for w in writers:
+        w.evict = (lambda evict: lambda *a, **k: scans.append(1) or evict(*a, **k))(w.evict)
+    worst = 0
+    for h in range(1, 601):
+        clock.t += 1
+        writers[h % 4].put(h, block(h))
+        worst = max(worst, writers[0].total_bytes())
+    assert worst <= bound and 0.85 * bound <= writers[0].total_bytes() <= bound
+    assert len(scans) <= 600 // 3
+    recent = [h for h in range(1, 601) if writers[0].contains(h)]
+    assert recent == list(range(601 - len(recent), 601))   # the least recently written went first
+
+
 def test_eviction_never_touches_files_that_are_not_its_own(tmp_path):
     clock = Clock()
     for name, content in (("docs/thesis.tex", "mine"), ("ab/notes.txt", "mine too"), ("README", "top")):

@@ -40,7 +40,8 @@ class CacheConfig:
     """The cache a user asked for. `block_size` and `disk_dir` are used where the engine owns
     them (`pbkv serve`); a replayed trace carries its own block size. `shared_dir`: a directory
     of KV blocks shared with other engines (`pbkv.engine.shared_kv`; None: no shared tier),
-    bounded to `shared_bytes` (None: the engine's default, 8 GiB)."""
+    bounded to `shared_bytes` (None: the engine's default, 8 GiB; the bound holds with up to 4
+    writers: `pbkv.engine.shared_kv`)."""
 
     device_tokens: int | None = None
     host_tokens: int | None = None

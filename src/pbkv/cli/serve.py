@@ -42,7 +42,8 @@ def serve(
                                                "model (read after the local tiers, written after each prefill; "
                                                "default: none).", callback=output_folder, parser=written_path)] = None,
     shared_bytes: Annotated[Optional[int], typer.Option(help="Bound of --shared-dir in bytes (least recently used files "
-                                                "go first; default 8 GiB).", min=1)] = None,
+                                                "go first, down to 90%; holds with up to 4 servers writing "
+                                                "the folder, each more may add 1/40; default 8 GiB).", min=1)] = None,
     max_tokens_limit: Annotated[int, typer.Option(help="Largest max_tokens a request may ask for.", min=1)] = 1024,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.", min=1)] = 256,
     max_body_bytes: Annotated[int, typer.Option(help="Largest request body.", min=1)] = 1 << 20,

@@ -12,10 +12,16 @@ Invariants:
 - a read returns data only if the file parses, its metadata names our format, this key and
   model, and its tensor hashes to the sha256 in its metadata; otherwise `CorruptKV` is raised
   and the file is removed (it would fail every reader);
-- `evict` keeps the directory's KV files within `max_bytes`, removing the least recently used
-  first (reads touch a file's mtime), and removes temp files left by crashed writers; it only
-  ever counts and removes its own names (`KEY_DIR/KEY_FILE`, `.tmp-*` in them): a directory
-  that also holds other files (a user's) keeps them;
+- the directory's KV files stay within `max_bytes` while at most `QUIET_WRITERS` (4) processes
+  write to it with that bound, with no lock between them: `evict` brings them down to
+  `LOW_WATER` (90%) of `max_bytes`, removing the least recently used first (reads touch a
+  file's mtime), and a writer runs it (making room for the file it adds) before the bytes it
+  wrote since its last `evict` (whole files, headers included) would pass `SCAN_EVERY` (1/40) of
+  the bound; so W writers hold at most 90% + W/40 of the bound: each writer past the fourth may
+  add 1/40 of it (a single block larger than 90% of the bound is still written, alone);
+  `evict` also removes temp files left by crashed writers; it only ever counts and removes its
+  own names (`KEY_DIR/KEY_FILE`, `.tmp-*` in them): a directory that also holds other files (a
+  user's) keeps them;
 - reading needs read access only: touching a file's mtime and removing a corrupt file are
   best effort (a replica may read a directory another user's replicas write).
 Time comes from the injected `clock` (seconds since the epoch, as file mtimes are).
@@ -44,6 +50,9 @@ SUFFIX = ".safetensors"
 KEY_DIR = re.compile(r"[0-9a-f]{2}")                  # the first two hex digits of a key
 KEY_FILE = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
 STALE_TEMP_S = 600.0   # a temp file this old belongs to a writer that died
+LOW_WATER = 0.9        # `evict` brings the KV files down to this share of max_bytes ...
+SCAN_EVERY = 40        # ... and a writer runs it before writing max_bytes // SCAN_EVERY more
+QUIET_WRITERS = 4      # writers that stay within the bound: LOW_WATER + QUIET_WRITERS / SCAN_EVERY <= 1
 
 
 def model_identity(name: str, dtype: torch.dtype | str, layers: int, kv_heads: int, head_dim: int) -> str:
@@ -77,7 +86,9 @@ class SharedKVDir:
         self.model_id, self.max_bytes, self.clock = model_id, max_bytes, clock
         self.stats = SharedStats()
         self._names = itertools.count()
-        self._unscanned = max_bytes   # bytes written since the last scan; scan on the first put
+        self.low_water = int(max_bytes * LOW_WATER)     # what `evict` leaves
+        self.scan_every = max(1, max_bytes // SCAN_EVERY)   # bytes a writer adds between its scans
+        self._unscanned = self.scan_every   # bytes written since the last scan: scan on the first put
 
     def key(self, block_hash: int) -> str:
         return hashlib.sha256(f"{self.model_id}\0{block_hash}".encode()).hexdigest()
@@ -111,16 +122,18 @@ class SharedKVDir:
                 "sha256": tensor_sha256(data), "shape": json.dumps(list(data.shape))}
         try:
             save_file({"kv": data}, str(tmp), metadata=meta)
+            size = tmp.stat().st_size   # the whole file, header included: what `evict` counts
+            scan = self._unscanned + size > self.scan_every
+            if scan:
+                self.evict(room=size)   # before the rename, making room for it: within low_water after it
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
         self._touch(final)
-        size = data.numel() * data.element_size()
+        if not scan:
+            self._unscanned += size
         self.stats.puts += 1
         self.stats.bytes_written += size
-        self._unscanned += size
-        if self._unscanned >= self.max_bytes // 10:
-            self.evict()
         return True
 
     def get(self, block_hash: int) -> torch.Tensor | None:
@@ -164,9 +177,12 @@ class SharedKVDir:
             out.append(kv)
         return out
 
-    def evict(self) -> int:
-        """Remove least recently used files until the total is within `max_bytes`; returns files removed."""
+    def evict(self, room: int = 0) -> int:
+        """Remove least recently used files until the total is within `low_water` less `room` (the
+        size of a file about to be added); returns files removed. A periodic scan (`put`), not one
+        per write: see the module docstring for the bound this gives."""
         self._unscanned = 0
+        target = self.low_water - room
         files, total, now = [], 0, self.clock()
         for sub in self.directory.iterdir():
             if not (KEY_DIR.fullmatch(sub.name) and sub.is_dir()):
@@ -187,7 +203,7 @@ class SharedKVDir:
                 total += st.st_size
         removed = 0
         for _, _, path, size in sorted(files):
-            if total <= self.max_bytes:
+            if total <= target:
                 break
             if _remove(Path(path)):
                 total -= size
