@@ -120,3 +120,22 @@ def test_the_directory_stays_within_its_bound(lm, tmp_path):
         serve(e, random_prompt(100 + i, 24), 1, name=f"wf{i}")
     e.shared.dir.evict()
     assert 0 < e.shared.dir.total_bytes() <= 10 * per_block
+
+
+def test_a_folder_that_cannot_be_written_is_logged_once_not_per_write(lm, tmp_path, monkeypatch, caplog):
+    import errno
+    import logging
+    from pbkv.engine.hf.shared import SharedTier
+    from pbkv.engine.shared_kv import SharedKVDir
+    tier = SharedTier(tmp_path, lm, BS, 1 << 20)
+
+    def read_only(self, *a):
+        raise OSError(errno.EROFS, "Read-only file system", str(self.directory / "ab"))
+    monkeypatch.setattr(SharedKVDir, "put", read_only)
+    with caplog.at_level(logging.WARNING, logger="pbkv.engine"):
+        assert tier.write(list(range(2500)), torch.zeros(1, 1, 1, 2500 * BS, 1)) == 0
+    assert tier.counters.write_errors == 2500
+    lines = [r.getMessage() for r in caplog.records if "shared KV folder" in r.getMessage()]
+    assert len(lines) == 3                                   # the 1st, 1,000th and 2,000th
+    assert f"cannot write to the shared KV folder {tmp_path} (1 failed writes so far" in lines[0]
+    assert "Read-only file system" in lines[0] and "(2000 failed writes so far" in lines[2]

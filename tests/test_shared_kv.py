@@ -229,3 +229,16 @@ def test_a_directory_removed_while_in_use_is_made_again_by_the_next_write(tmp_pa
     assert s.put(1, block(1))
     shutil.rmtree(root)
     assert s.get(1) is None and s.put(2, block(2)) and torch.equal(s.get(2), block(2))
+
+
+def test_a_folder_that_cannot_be_written_gets_a_warning_at_start_and_is_still_read(tmp_path, monkeypatch, caplog):
+    import logging
+    SharedKVDir(tmp_path, MODEL, 10**9).put(1, block(1))
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode & os.W_OK else real(p, mode, **k))
+    with caplog.at_level(logging.WARNING, logger="pbkv.engine"):
+        readers = [SharedKVDir(tmp_path, MODEL, 10**9) for _ in range(2)]   # e.g. two tensor-parallel ranks
+    warned = [r.getMessage() for r in caplog.records if "not writable" in r.getMessage()]
+    assert warned == [f"the shared KV folder {tmp_path} is not writable (read-only or permission denied): KV "
+                      f"is read from it, but none is written there"]   # once per folder
+    assert torch.equal(readers[0].get(1), block(1))

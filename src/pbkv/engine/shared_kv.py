@@ -22,7 +22,8 @@ Invariants:
   `evict` also removes temp files left by crashed writers; it only ever counts and removes its
   own names (`KEY_DIR/KEY_FILE`, `.tmp-*` in them): a directory that also holds other files (a
   user's) keeps them;
-- reading needs read access only: touching a file's mtime and removing a corrupt file are
+- reading needs read access only (a folder this process cannot write is used, with a warning at
+  start): touching a file's mtime and removing a corrupt file are
   best effort (a replica may read a directory another user's replicas write).
 Time comes from the injected `clock` (seconds since the epoch, as file mtimes are).
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import os
 import re
 import threading
@@ -49,6 +51,8 @@ FORMAT = "pbkv-shared-kv"
 SUFFIX = ".safetensors"
 KEY_DIR = re.compile(r"[0-9a-f]{2}")                  # the first two hex digits of a key
 KEY_FILE = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
+log = logging.getLogger("pbkv.engine")
+_WARNED: set[str] = set()   # folders warned about as not writable (read-only mount, another user's)
 STALE_TEMP_S = 600.0   # a temp file this old belongs to a writer that died
 LOW_WATER = 0.9        # `evict` brings the KV files down to this share of max_bytes ...
 SCAN_EVERY = 40        # ... and a writer runs it before writing max_bytes // SCAN_EVERY more
@@ -83,6 +87,10 @@ class SharedKVDir:
             raise ValueError("the shared KV directory is an empty path; give a folder")
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.directory, os.W_OK | os.X_OK) and str(self.directory) not in _WARNED:
+            _WARNED.add(str(self.directory))   # once per folder: a vLLM process opens it once per rank
+            log.warning("the shared KV folder %s is not writable (read-only or permission denied): KV is "
+                        "read from it, but none is written there", self.directory)
         self.model_id, self.max_bytes, self.clock = model_id, max_bytes, clock
         self.stats = SharedStats()
         self._names = itertools.count()

@@ -12,8 +12,10 @@ replicas, `pbkv serve` instances) read and write (`pbkv.engine.shared_kv.SharedK
   worker thread (off the critical path). Written at prefill, not at eviction: another replica
   can use a prefix as soon as it was computed, while the writer still holds it locally (a
   workflow's next call routed elsewhere is the case that matters). Existing files are kept;
-  errors are counted (`write_errors`), never raised. The worker is FIFO and also runs host/disk
-  loads: a load queued behind a burst of writes waits for them (the price of one I/O thread);
+  errors are counted (`write_errors`), never raised; the first is logged as a warning naming
+  the folder and the error (a read-only or full folder), then every 1,000th. The worker is
+  FIFO and also runs host/disk loads: a load queued behind a burst of writes waits for them
+  (the price of one I/O thread);
 - reads: at admission, after the local tiers' longest usable prefix, the match goes on in the
   directory block by block, each file checked (sha256, key, model, shape); the run stops at the
   first missing or bad file (a bad one is removed and its tokens recomputed). Reads run on the
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +43,7 @@ from pbkv.engine.kvfile import CorruptKV
 from pbkv.engine.request import SHARED
 from pbkv.engine.shared_kv import SharedKVDir, model_identity
 
+log = logging.getLogger("pbkv.engine")
 DEFAULT_SHARED_BYTES = 8 << 30   # the directory's bound when none is given (8 GiB)
 FINGERPRINT_VALUES = 1024        # values sampled per weight tensor for the identity
 SUM_CHUNK = 1 << 24              # values summed at a time (bounds the int64 copy the sum makes)
@@ -143,8 +147,11 @@ class SharedTier:
         for i, key in enumerate(keys):
             try:
                 written += self.dir.put(key, kv[:, :, :, i * bs:(i + 1) * bs])
-            except (OSError, RuntimeError, ValueError, SafetensorError):   # a full disk: SafetensorError
+            except (OSError, RuntimeError, ValueError, SafetensorError) as e:   # a full disk: SafetensorError
                 self.counters.write_errors += 1
+                if self.counters.write_errors == 1 or self.counters.write_errors % 1000 == 0:   # not one line per block
+                    log.warning("cannot write to the shared KV folder %s (%d failed writes so far; that KV is "
+                                "recomputed where needed): %s", self.dir.directory, self.counters.write_errors, e)
         self.counters.blocks_written += written
         return written
 
