@@ -136,6 +136,54 @@ def test_an_output_path_that_cannot_be_written_fails_before_any_work(tmp_path, m
     assert r.exit_code == 0 and json.loads(Path("new/stats.json").read_text())["workflows"] == 1, r.output
 
 
+def test_an_output_folder_that_cannot_be_written_or_made_is_refused_at_once(tmp_path, monkeypatch):
+    # a read-only folder, and one that cannot be created even by root (/proc): exit 2 when the
+    # command line is read, before any training or run; the check leaves nothing behind
+    import tempfile
+    import pbkv.bench.main
+    monkeypatch.setattr(pbkv.bench.main, "run", lambda *a: pytest.fail("the run started"))
+    monkeypatch.chdir(tmp_path)
+    Path("ro").mkdir()
+    Path("t.jsonl").write_text("")
+    mkdtemp = tempfile.mkdtemp
+
+    def read_only(*a, dir=None, **k):   # chmod does not stop root: a read-only mount is simulated
+        if Path(dir).resolve() == (tmp_path / "ro").resolve():
+            raise OSError(30, "Read-only file system")
+        return mkdtemp(*a, dir=dir, **k)
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    cases = [
+        (("bench", "--policies", "lru", "--out", "ro"),
+         "cannot write ro: cannot create files in ro (Read-only file system)"),
+        (("ablate", "--out", "ro/new/deeper"),
+         "cannot write ro/new/deeper: cannot create files in ro, so ro/new/deeper cannot be made (Read-only file system)"),
+        (("bench", "--policies", "lru", "--json", "ro/b.json"), "cannot write ro/b.json: cannot create files in ro"),
+        (("predict-eval", "--train", "t.jsonl", "--test", "t.jsonl", "--json", "ro/o.json"), "cannot write ro/o.json"),
+        (("train", "--trace", "t.jsonl", "-o", "ro/p"), "cannot write ro/p: cannot create files in ro"),
+        (("gen", "hover", "-o", "ro/t.jsonl"), "cannot write ro/t.jsonl"),
+        (("serve", "--record", "ro"), "cannot write ro: cannot create files in ro"),
+    ]
+    if Path("/proc/self").is_dir():
+        cases.append((("ablate", "--out", "/proc/pbkv-no-such-dir"), "cannot write /proc/pbkv-no-such-dir: cannot "
+                      "create files in /proc, so /proc/pbkv-no-such-dir cannot be made (No such file or directory)"))
+    for args, message in cases:
+        r = invoke(*args)
+        said = " ".join(r.output.replace("│", " ").split())  # typer's error box, unwrapped
+        assert r.exit_code == 2 and message in said, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro", "t.jsonl"] and not any(Path("ro").iterdir())
+    r = invoke("trace", "stats", DATA / "chatdev-mini.jsonl", "--json", "new/deeper/s.json")   # a new folder: fine
+    assert r.exit_code == 0 and Path("new/deeper/s.json").is_file(), r.output
+
+
+def test_a_failed_json_write_says_so_once(tmp_path):
+    from pbkv.bench.report import write_json
+    Path(tmp_path / "f").write_text("")
+    with pytest.raises(OSError) as e:
+        write_json({}, tmp_path / "f" / "x.json")
+    said = str(e.value)
+    assert said.count("cannot write") == 1 and said.startswith(f"{tmp_path / 'f' / 'x.json'}: cannot write ("), said
+
+
 def test_a_split_that_would_leave_a_part_empty_is_an_error(tmp_path):
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     assert invoke("gen", "finance", "--workflows", 1, "-o", one).exit_code == 0

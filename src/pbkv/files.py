@@ -16,6 +16,11 @@ from typing import Iterator
 from pbkv.stale import remove_stale
 
 
+class CannotWrite(OSError):
+    """An OSError whose message already names the file and says it cannot be written (callers
+    adding the path to an OSError's message leave this one as it is)."""
+
+
 def is_text(s: str) -> bool:
     """Whether `s` is Unicode text a UTF-8 file can hold: no lone surrogate such as "\\ud800",
     which a JSON escape can produce and which no later write or read of the file would accept."""
@@ -72,7 +77,7 @@ def replaced_on_success(path: str | Path) -> Iterator[Path]:
         if mode is not None:
             os.chmod(tmp, mode)
     except OSError as e:  # name the file asked for, not the temporary one
-        raise OSError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise CannotWrite(f"{path}: cannot write ({e.strerror or e})") from None
     try:
         yield tmp
         os.replace(tmp, path)

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from pbkv.files import replaced_on_success
+from pbkv.files import CannotWrite, replaced_on_success
 
 
 def _fmt(v, pct=False):
@@ -193,9 +193,9 @@ def _naming(path: Path):
     try:
         yield
     except OSError as e:
-        if e.filename is not None:
+        if e.filename is not None or isinstance(e, CannotWrite):   # it names its file already
             raise
-        raise OSError(f"{path}: cannot write ({e.strerror or e})") from e
+        raise CannotWrite(f"{path}: cannot write ({e.strerror or e})") from e
 
 
 def _line_of(r: dict) -> tuple:

@@ -10,7 +10,8 @@ import typer
 from rich.markup import escape
 
 from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, ModelOpt, OnlineOpt, PolicyOpt,
-                             PredictorOpt, RouterOpt, ThreadsOpt, written_path, console, exit_on_error, fail, output_folder)
+                             PredictorOpt, RouterOpt, ThreadsOpt, written_path, console, exit_on_error, fail, output_folder,
+                             readable_folder)
 
 
 def serve(
@@ -40,7 +41,8 @@ def serve(
              "shutdown (default: the system temp folder).", callback=output_folder, parser=written_path)] = None,
     shared_dir: Annotated[Optional[Path], typer.Option(help="Folder of KV blocks shared with other pbkv servers of the same "
                                                "model (read after the local tiers, written after each prefill; "
-                                               "default: none).", callback=output_folder, parser=written_path)] = None,
+                                               "default: none; a folder this server cannot write is only read, with a "
+                                               "warning).", callback=readable_folder, parser=written_path)] = None,
     shared_bytes: Annotated[Optional[int], typer.Option(help="Bound of --shared-dir in bytes (least recently used files "
                                                 "go first, down to 90%; holds with up to 4 servers writing "
                                                 "the folder, each more may add 1/40; default 8 GiB).", min=1)] = None,
