@@ -121,7 +121,9 @@ def save_predictor(p: NeuralPredictor, path: str | Path, history: list | None = 
 
 def _write_files(p: NeuralPredictor, path: Path) -> None:
     state = {k: v.detach().contiguous().clone() for k, v in p.net.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": FORMAT, "version": str(VERSION)})
+    # one metadata key: safetensors writes a map's keys in a random order, so two saves of the same
+    # weights differed in their header bytes (the version is config.json's, which loading checks)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": f"{FORMAT} {VERSION}"})
     store.on_step("model.safetensors")
     f = p.cfg.features
     config = {
