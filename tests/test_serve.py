@@ -254,3 +254,35 @@ def on_engine_until(srv, condition, seconds: float = 60) -> bool:
         if on_engine(srv, condition):
             return True
     return False
+
+
+def test_a_call_never_served_is_not_recorded_and_steps_stay_dense(torch_threads, tmp_path):  # noqa: F811
+    """A holds the device; B (same workflow) waits for room and its client leaves; C ends the
+    workflow. Before: B was in the --record trace (its full input_length, output 0) although it
+    was never prefilled (/metrics counts none of its prompt tokens): a replay would prefill it.
+    Now the trace holds A and C as steps 0 and 1."""
+    from pbkv.cache import CacheConfig
+    from pbkv.trace import read_trace
+    srv = start_server(cache=CacheConfig(device_tokens=1000), max_tokens_limit=1000, record=str(tmp_path))
+    try:
+        cancelled = watch_counter(srv.state.metrics.cancelled)
+        hint = {"model": "tiny", "temperature": 0, "ignore_eos": True, "workflow_id": "left"}
+        first = {**hint, "prompt": "a" * 40, "max_tokens": 940, "agent": "holder"}
+        with httpx.Client(timeout=120) as c:
+            holder = threading.Thread(target=c.post, args=(srv.url + "/v1/completions",), kwargs={"json": first})
+            holder.start()
+            assert on_engine_until(srv, lambda: srv.state.worker.engine.running_count == 1)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.url + "/v1/completions", timeout=httpx.Timeout(30, read=0.3),
+                           json={**hint, "prompt": "b" * 200, "max_tokens": 4, "agent": "gone"})
+            assert cancelled.wait(30)
+            holder.join(120)
+            last = c.post(srv.url + "/v1/completions", json={**hint, "prompt": "c" * 30, "max_tokens": 2,
+                                                             "agent": "last", "workflow_done": True})
+            assert last.status_code == 200, last.text
+        calls = [call for f in sorted(tmp_path.glob("*.jsonl")) for call in read_trace(f).calls]
+        assert [(c.step, c.agent, c.input_length, c.output_length) for c in calls] == [
+            (0, "holder", 40, 940), (1, "last", 30, 2)]
+        assert calls[-1].done
+    finally:
+        srv.stop()

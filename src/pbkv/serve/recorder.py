@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from pbkv.trace import Call, TraceMeta
@@ -46,13 +47,14 @@ class TraceRecorder:
         self._lock = threading.Lock()  # written from the engine thread, closed from the main one
 
     def record(self, calls: list[Call]) -> bool:
-        """Write one ended run (its calls, any order; written sorted by step). False when it could
-        not be written (disk full, folder removed: logged); the file is then cut back to its last
-        whole run, or, if even that fails, closed and the next run starts a new file, so every
-        file stays a valid trace."""
+        """Write one ended run (its calls, any order; written sorted by step and numbered 0..n-1:
+        a call the server left out, never served, leaves no gap). False when it could not be
+        written (disk full, folder removed: logged); the file is then cut back to its last whole
+        run, or, if even that fails, closed and the next run starts a new file, so every file
+        stays a valid trace."""
         if not calls:
             return True
-        calls = sorted(calls, key=lambda c: c.step)
+        calls = [replace(c, step=i) for i, c in enumerate(sorted(calls, key=lambda c: c.step))]
         calls[-1].done = True
         text = "".join(json.dumps(call_to_dict(c), separators=(",", ":")) + "\n" for c in calls)
         with self._lock:

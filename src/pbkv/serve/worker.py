@@ -258,7 +258,10 @@ class EngineWorker:
             job.put(Done(reason, len(job.prompt_ids), completion, hits, job.error or req.error))
 
     def _record(self, job: Job, req: Request, completion: int) -> None:
-        if self.recorder is None:
+        # a call never served (its client left while it waited for room: never prefilled) is no
+        # call of the trace, as it adds nothing to /metrics: a replay would prefill it; the
+        # recorder numbers the run's recorded calls 0..n-1
+        if self.recorder is None or not req.counted:
             return
         run, call = job.run, req.call
         wait = None if run.last_finish is None else round(max(0.0, job.arrival - run.last_finish), 6)
