@@ -4,6 +4,7 @@ and Starlette's own 404/405 and the body guards (400/413), checked here end to e
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 
@@ -203,6 +204,55 @@ def test_a_request_that_finishes_during_graceful_shutdown_gets_its_answer(torch_
     r = answers[0]
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_a_stream_cut_by_shutdowns_timeout_ends_with_an_error_event_and_one_log_line(torch_threads):  # noqa: F811
+    """A stream still running when graceful shutdown's timeout expires: its client gets an
+    `error` event (server_shutting_down) and [DONE], the log one warning line. Before: the stream
+    was cut without a word and uvicorn logged 'Exception in ASGI application' with a
+    CancelledError traceback, per stream."""
+    server = start_server(header_timeout=30.0)
+    lines = _Lines()
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "pbkv.serve")]
+    for logger in loggers:
+        logger.addHandler(lines)
+    events = []
+    try:
+        server.server.config.timeout_graceful_shutdown = 0.2
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "long"}], "max_tokens": 1000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:   # streaming: hold the engine, then stop the server
+                    release = _hold_engine(server)
+                    server.state.on_shutdown.insert(0, release.set)
+                    server.server.should_exit = True
+    finally:
+        server.stop()
+        for logger in loggers:
+            logger.removeHandler(lines)
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert err == {"message": "The server is shutting down and cut this stream before it finished; retry later.",
+                   "type": "server_error", "param": None, "code": "server_shutting_down"}
+    messages = [rec.getMessage() for rec in lines.records]
+    assert not any("Exception in ASGI application" in m for m in messages), messages
+    assert not any(rec.exc_info for rec in lines.records)
+    cut = [m for m in messages if m.startswith("shutdown: cut")]
+    assert cut == ["shutdown: cut a streamed answer on /v1/chat/completions still running at graceful "
+                   "shutdown's timeout"]
 
 
 # ---------------------------------------------------------------- requests uvicorn cannot parse

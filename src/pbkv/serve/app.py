@@ -10,6 +10,7 @@ one request's failure stop the server.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -25,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from pbkv.serve import schemas
 from pbkv.serve.auth import check_api_key, header_hint, read_json
 from pbkv.serve.errors import (INVALID, APIError, bad_request, error_body, model_not_found, pydantic_errors,
-                               send_error, shutting_down)
+                               send_error, shutting_down, stream_cut)
 from pbkv.serve.gauges import engine_snapshot
 from pbkv.serve.limits import BodyTimeout
 from pbkv.serve.generate import CLIENT_GONE, prepare, respond
@@ -93,7 +94,9 @@ class AnswerCancelled:
     uvicorn cancels a request's task only when graceful shutdown's timeout expires (a client that
     leaves is seen through `receive()`, never by cancellation), and the route's own cleanup has
     run by then (its job is cancelled on the engine). An answer already started cannot be
-    replaced: then the cancellation goes on and uvicorn closes the connection."""
+    replaced: a stream (text/event-stream) gets a last `error` event (`server_shutting_down`) and
+    `[DONE]`, so its client knows it was cut; either way one line is logged, and the cancellation
+    ends here (re-raised, uvicorn would log a traceback per request for an ordinary stop)."""
 
     def __init__(self, app):
         self.app = app
@@ -101,20 +104,38 @@ class AnswerCancelled:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
+        started, stream = False, False
 
         async def send_started(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, stream
+            if message["type"] == "http.response.start":
+                started = True
+                stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", []))
             await send(message)
         try:
             await self.app(scope, receive, send_started)
         except asyncio.CancelledError:
-            if started:
-                raise
             # not re-raised: this is the request task's last step, nothing after it needs to see
             # the cancellation, and uvicorn would answer a cancelled task with a plain-text 500
-            await send_error(send, shutting_down())
+            # (or, once the answer started, log it with a traceback)
+            if not started:
+                await send_error(send, shutting_down())
+                return
+            log.warning("shutdown: cut %s answer on %s still running at graceful shutdown's timeout",
+                        "a streamed" if stream else "an", scope.get("path", ""))
+            if stream:
+                await _end_stream(send)
+
+
+async def _end_stream(send) -> None:
+    """Close a cut stream with an `error` event and `[DONE]` (best effort: the client may be gone)."""
+    body = f"data: {json.dumps(stream_cut().body(), separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
+    try:   # no task of its own (asyncio.run's teardown may cancel this one again: then it just ends)
+        async with asyncio.timeout(1.0):
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+    except (Exception, asyncio.CancelledError):  # noqa: BLE001 - a client that cannot be written to hears nothing
+        pass
 
 
 def _hints(request: Request, body: schemas._Common) -> Hints:

@@ -71,6 +71,12 @@ def shutting_down() -> APIError:
                     "later.", "server_error", None, "server_shutting_down", headers={"Connection": "close"})
 
 
+def stream_cut() -> APIError:
+    """The last event of a stream that graceful shutdown's timeout cut short."""
+    return APIError(503, "The server is shutting down and cut this stream before it finished; retry later.",
+                    "server_error", None, "server_shutting_down")
+
+
 def invalid_http() -> APIError:
     return APIError(400, "The request is not valid HTTP/1.1 (its request line, headers or body framing).",
                     INVALID, None, "invalid_http_request", headers={"Connection": "close"})
