@@ -90,6 +90,15 @@ def chat(srv, **fields):
     ("chat", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "parses no tool calls"),
     ("chat", {"logit_bias": {"5": 100}}, "logit_bias", "logit_bias is not supported"),
     ("completion", {"logprobs": 0}, "logprobs", "log probabilities are not returned"),
+    ("chat", {"functions": [{"name": "f", "parameters": {"type": "object"}}], "function_call": {"name": "f"}},
+     "function_call", "this server parses no function calls: function_call may be 'auto' (the model answers in "
+     "text) or 'none', not a named function"),
+    ("completion", {"suffix": "\n    return c"}, "suffix",
+     "suffix (insertion: text that follows the completion) is not supported by this server"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities",
+     "this server answers in text only: modalities may hold only 'text'"),
+    ("chat", {"audio": {"voice": "alloy", "format": "wav"}}, "audio",
+     "audio output is not supported by this server (text only); leave out audio"),
 ])
 def test_fields_that_would_change_the_answers_shape_are_400s(srv, path, fields, param, says):
     """Ignoring these would answer something else than what was asked (no log probabilities, no
@@ -103,10 +112,67 @@ def test_fields_that_would_change_the_answers_shape_are_400s(srv, path, fields, 
     ("chat", {"tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("chat", {"tool_choice": "none"}), ("chat", {"logit_bias": {}}), ("chat", {"logprobs": None}),
     ("completion", {"logprobs": None}),
+    ("chat", {"functions": [{"name": "f"}], "function_call": "auto"}), ("chat", {"function_call": "none"}),
+    ("chat", {"modalities": ["text"]}), ("chat", {"audio": None}), ("completion", {"suffix": None}),
+    ("completion", {"suffix": ""}),
 ])
 def test_their_harmless_values_are_accepted(srv, path, fields):
     r = chat(srv, **fields) if path == "chat" else completion(srv, **fields)
     assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------- OpenAI's nullable fields, prompt shapes
+
+@pytest.mark.parametrize("path", ["chat", "completion"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "n", "stream"])
+def test_null_sampling_fields_mean_the_default(srv, path, field):
+    """OpenAI documents these as nullable (the `openai` client sends temperature=None as null);
+    they were 400s ("should be a valid number")."""
+    r = chat(srv, **{field: None}) if path == "chat" else completion(srv, **{field: None})
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         temperature=None, top_p=None, n=None, stream=None)
+    assert got.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_limit_error_names_max_completion_tokens_when_the_client_sent_it(srv):
+    limit = srv.state.config.max_tokens_limit
+    err = assert_openai_error(chat(srv, max_tokens=None, max_completion_tokens=limit + 1), 400,
+                              "max_completion_tokens")
+    assert err["message"] == f"max_completion_tokens is {limit + 1}; this server allows at most {limit}."
+    err = assert_openai_error(chat(srv, max_tokens=limit + 1), 400, "max_tokens")
+    assert err["message"] == f"max_tokens is {limit + 1}; this server allows at most {limit}."
+
+
+def test_a_prompt_of_one_token_array_in_an_array_is_that_prompt(srv):
+    one = completion(srv, prompt=[72, 73, 74], temperature=0, max_tokens=3)
+    nested = completion(srv, prompt=[[72, 73, 74]], temperature=0, max_tokens=3)
+    assert nested.status_code == 200, nested.text
+    assert nested.json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
+    assert nested.json()["usage"]["prompt_tokens"] == 3
+    err = assert_openai_error(completion(srv, prompt=[[72], [73]]), 400, "prompt")
+    assert "only one prompt per request is supported, got a batch of 2 prompts; send one request per prompt" \
+        in err["message"]
+    assert "must not be empty" in assert_openai_error(completion(srv, prompt=[[]]), 400, "prompt")["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("include", [True, False])
+def test_streamed_chunks_carry_usage_null_before_the_usage_chunk(srv, path, include):
+    """OpenAI's shape with include_usage: `"usage": null` on every chunk but the last, which has
+    the usage and no choices; without include_usage, no usage key at all."""
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+            **({"stream_options": {"include_usage": True}} if include else {}),
+            **({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})}
+    chunks = []
+    with httpx.stream("POST", srv.url + path, json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    if include:
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1]) and len(chunks) > 2
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    else:
+        assert not any("usage" in c for c in chunks)
 
 
 # ---------------------------------------------------------------- defect 3: 400, not 500

@@ -256,8 +256,10 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _parse(request, schemas.ChatRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt_ids = state.tokenizer.chat(messages)
+        # every field that tells the messages apart reaches the prompt (name, tool calls, tool_call_id),
+        # and so do the function definitions (tools / functions): else distinct chats would share KV
+        messages = [m.prompt_dict() for m in body.messages]
+        prompt_ids = state.tokenizer.chat(messages, body.prompt_tools())
         p = prepare(state, body, prompt_ids, messages[-1]["content"], True, _hints(request, body))
         return await respond(state, request, p)
 

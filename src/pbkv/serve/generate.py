@@ -58,12 +58,13 @@ def prepare(state, body: schemas._Common, prompt_ids: list[int], context: str | 
     else:
         max_tokens = wanted
     if max_tokens > limits.max_tokens_limit:
-        raise bad_request(f"max_tokens is {max_tokens}; this server allows at most {limits.max_tokens_limit}.",
-                          "max_tokens", "invalid_value")
+        field = body.tokens_param()   # the field the client sent (max_tokens or max_completion_tokens)
+        raise bad_request(f"{field} is {max_tokens}; this server allows at most {limits.max_tokens_limit}.",
+                          field, "invalid_value")
     if len(prompt_ids) + max_tokens > limit:
         raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
                           f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} "
-                          f"for the completion). Please reduce the prompt or max_tokens.", param,
+                          f"for the completion). Please reduce the prompt or {body.tokens_param()}.", param,
                           "context_length_exceeded")
     if state.worker.in_flight >= limits.max_queue:
         raise overloaded(state.worker.in_flight)
@@ -146,30 +147,35 @@ def _sse(obj) -> str:
 async def _stream(state, p: Prepared, rid: str, start: float) -> AsyncIterator[str]:
     model, created = state.model_name, int(time.time())
     done, first = None, None
+
+    def chunk(obj: dict) -> str:
+        if p.stream_usage:   # as OpenAI: with include_usage, every chunk before the usage one has "usage": null
+            obj["usage"] = None
+        return _sse(obj)
     try:
         if p.chat:
-            yield _sse(schemas.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
+            yield chunk(schemas.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
         elif p.echo:
-            yield _sse(schemas.completion_chunk(rid, model, created, p.echo))
+            yield chunk(schemas.completion_chunk(rid, model, created, p.echo))
         while done is None:
             event = await p.job.events.get()
             if isinstance(event, Done):
                 done = event
             elif p.chat:
                 first = first or time.perf_counter()
-                yield _sse(schemas.chat_chunk(rid, model, created, {"content": event}))
+                yield chunk(schemas.chat_chunk(rid, model, created, {"content": event}))
             else:
                 first = first or time.perf_counter()
-                yield _sse(schemas.completion_chunk(rid, model, created, event))
+                yield chunk(schemas.completion_chunk(rid, model, created, event))
         if done.reason == ERROR:
             yield _sse({"error": {"message": f"The server failed while generating: {done.error}",
                                   "type": "server_error", "param": None, "code": done.code}})
         else:
             _observe(state, start, first)
             if p.chat:
-                yield _sse(schemas.chat_chunk(rid, model, created, {}, _finish(done.reason)))
+                yield chunk(schemas.chat_chunk(rid, model, created, {}, _finish(done.reason)))
             else:
-                yield _sse(schemas.completion_chunk(rid, model, created, "", _finish(done.reason)))
+                yield chunk(schemas.completion_chunk(rid, model, created, "", _finish(done.reason)))
             if p.stream_usage:
                 obj = "chat.completion.chunk" if p.chat else "text_completion"
                 yield _sse(schemas.usage_chunk(rid, model, created, obj, done.prompt_tokens,

@@ -4,6 +4,13 @@
   token b + 3; any other id decodes to the byte (id - 3) mod 256, so every generated id is text.
   Deterministic and lossless on encode: `decode(encode(s)) == s` for any string.
 - `HFTokenizer`: a transformers tokenizer (e.g. the GGUF's for `smollm2`), with its chat template.
+- A chat's messages carry more than role and text: `name`, an assistant's `tool_calls` (and the
+  legacy `function_call`), a tool message's `tool_call_id`, and the request's `tools` (function
+  definitions). All of them reach the prompt: two chats that differ in any of them are different
+  prompts (else they would share KV and answers). `render_chat` writes them itself; a chat template
+  gets them in the transformers/OpenAI shapes where it renders them (found out once per template
+  and field by rendering sentinels), and whatever it would drop is written as text inside the
+  message (`_fold`) or, for `tools`, in a system message.
 - `Detokenizer`: feeds generated ids, hands out only text that can no longer change: a trailing
   incomplete UTF-8 sequence and a trailing piece that could still become a stop string are held
   back; when a stop string appears, the text ends right before it.
@@ -11,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Protocol
 
 REPLACEMENT = "\ufffd"
@@ -22,13 +30,67 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def chat(self, messages: list[dict]) -> list[int]: ...
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
 
 
-def render_chat(messages: list[dict]) -> str:
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+HEAD_FIELDS = ("name", "tool_call_id")                # written before a message's text
+TAIL_FIELDS = ("tool_calls", "tool_call_ids", "function_call")   # written after it
+
+
+def render_chat(messages: list[dict], tools: list[dict] | None = None) -> str:
     """A plain chat layout (role tags, one per message, then the assistant's turn). Each earlier
-    turn renders the same in every later call, so a workflow's calls share their prefix."""
-    return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    turn renders the same in every later call, so a workflow's calls share their prefix. A
+    message's `name` and `tool_call_id` go in its tag, its `tool_calls` / `function_call` after its
+    text (as JSON), the request's `tools` in a first `<|tools|>` turn."""
+    head = f"<|tools|>\n{_dumps(tools)}\n" if tools else ""
+    return head + "".join(_turn(m) for m in messages) + "<|assistant|>\n"
+
+
+def _turn(m: dict) -> str:
+    tag = m["role"] + "".join(f" {k}={_dumps(m[k])}" for k in HEAD_FIELDS if m.get(k) is not None)
+    body = [m["content"]] if m["content"] else []
+    body += [f"{k}: {_dumps(m[k])}" for k in TAIL_FIELDS if m.get(k)]
+    return f"<|{tag}|>\n" + "\n".join(body) + "\n"
+
+
+def _fold(m: dict, fields) -> dict:
+    """`m` with `fields` written as text inside its content (for a template that would drop them)."""
+    fields = [k for k in fields if m.get(k) is not None and m.get(k) != []]
+    if not fields:
+        return m
+    lines = [f"{k}: {_dumps(m[k])}" for k in HEAD_FIELDS if k in fields]
+    lines += [m["content"]] if m["content"] else []
+    lines += [f"{k}: {_dumps(m[k])}" for k in TAIL_FIELDS if k in fields]
+    out = {k: v for k, v in m.items() if k not in fields}
+    out["content"] = "\n".join(lines)
+    return out
+
+
+def _with_tools_text(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """`tools` written into the system message (a new first one if the chat has none)."""
+    text = "Tools (function definitions, JSON): " + _dumps(tools)
+    if messages and messages[0]["role"] == "system":
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
+        return [first] + messages[1:]
+    return [{"role": "system", "content": text}] + messages
+
+
+def _template_arguments(arguments):
+    """A tool call's `arguments` for a template: transformers' templates take a JSON object
+    (OpenAI sends its text); text that is not a JSON object stays text."""
+    try:
+        value = json.loads(arguments)
+    except (TypeError, ValueError):
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+PROBE = "pbkv_probe_5e1"   # sentinels: a field is rendered when its sentinel shows in the text
 
 
 class ByteTokenizer:
@@ -47,8 +109,8 @@ class ByteTokenizer:
         data = bytes((i - self.OFFSET) % 256 for i in ids if i >= self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        return [self.BOS] + self.encode(render_chat(messages))
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return [self.BOS] + self.encode(render_chat(messages, tools))
 
 
 class HFTokenizer:
@@ -59,6 +121,7 @@ class HFTokenizer:
         self.vocab_size = vocab_size or len(tok)
         eos = tok.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+        self._probed: dict[tuple, bool] = {}   # (template, feature) -> whether it renders it
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -66,12 +129,80 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        if getattr(self.tok, "chat_template", None):
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        else:
-            text = render_chat(messages)
-        return self.encode(text)
+    def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render(messages, tools))
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text: the chat template's, with every field it would drop written as text
+        (`_fold`); `render_chat` for a tokenizer without a template."""
+        template = getattr(self.tok, "chat_template", None)
+        if not template:
+            return render_chat(messages, tools)
+        native, native_tools = [self._for_template(m, template) for m in messages], tools
+        if tools and not self._renders(template, "tools"):
+            native, native_tools = _with_tools_text(native, tools), None
+        try:
+            return self._apply(native, native_tools)
+        except Exception:  # noqa: BLE001 - the template refused a field's shape: all of them as text
+            plain = [_fold(m, HEAD_FIELDS + TAIL_FIELDS) for m in messages]
+            plain = _with_tools_text(plain, tools) if tools else plain
+            if plain == native and native_tools is None:
+                raise   # nothing was passed natively: the chat itself is what the template refuses
+            return self._apply(plain, None)
+
+    def _apply(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+
+    def _for_template(self, m: dict, template: str) -> dict:
+        """`m` for the template: the fields it renders in transformers' shapes, the rest folded."""
+        fold = ["function_call"]
+        if m.get("name") is not None and not self._renders(template, ("name", m["role"])):
+            fold.append("name")
+        if m.get("tool_call_id") is not None and not self._renders(template, "tool_call_id"):
+            fold.append("tool_call_id")
+        calls = m.get("tool_calls")
+        if calls:
+            if not self._renders(template, "tool_calls"):
+                fold.append("tool_calls")
+            else:
+                m = dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=_template_arguments(
+                    c["function"]["arguments"]))) for c in calls])
+                if not self._renders(template, "tool_call_ids"):
+                    m["tool_call_ids"] = [c["id"] for c in calls]
+                    fold.append("tool_call_ids")
+        return _fold(m, fold)
+
+    def _renders(self, template: str, feature) -> bool:
+        """Whether `template` renders `feature` (a field, or ("name", role)): once per template."""
+        key = (template, feature)
+        if key not in self._probed:
+            try:
+                self._probed.update({(template, f): ok for f, ok in self._probe(feature).items()})
+            except Exception:  # noqa: BLE001 - a template that cannot render the field does not render it
+                self._probed[key] = False
+            self._probed.setdefault(key, False)
+        return self._probed[key]
+
+    def _probe(self, feature) -> dict:
+        user = {"role": "user", "content": "hi"}
+        if feature == "tools":
+            fn = {"name": PROBE + "fn", "description": PROBE + "doc",
+                  "parameters": {"type": "object", "properties": {PROBE + "arg": {"type": "string"}}}}
+            text = self._apply([user], [{"type": "function", "function": fn}])
+            return {"tools": PROBE + "fn" in text and PROBE + "arg" in text}
+        if feature in ("tool_calls", "tool_call_ids", "tool_call_id", ("name", "tool")):
+            call = {"id": PROBE + "callid", "type": "function",
+                    "function": {"name": PROBE + "fn", "arguments": {PROBE + "arg": PROBE + "val"}}}
+            text = self._apply([user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": PROBE + "answers", "name": PROBE + "toolname",
+                                 "content": "ok"}], None)
+            return {"tool_calls": PROBE + "fn" in text and PROBE + "val" in text,
+                    "tool_call_ids": PROBE + "callid" in text, "tool_call_id": PROBE + "answers" in text,
+                    ("name", "tool"): PROBE + "toolname" in text}
+        role = feature[1]
+        probed = {"role": role, "content": "x", "name": PROBE + "name"}
+        chat = [probed, user] if role in ("system", "developer") else [user, probed] if role != "user" else [probed]
+        return {feature: PROBE + "name" in self._apply(chat, None)}
 
 
 def tokenizer_for(hf_tokenizer, vocab_size: int) -> Tokenizer:

@@ -1,0 +1,177 @@
+"""Every field that tells chat messages apart reaches the prompt: an assistant's `tool_calls`, a
+tool message's `tool_call_id`, a message's `name`, and the request's `tools` / `functions`.
+
+Before, only role and text were rendered: two chats with different tool calls (or names) were the
+same prompt, got the same answer and shared KV. Checked on pbkv's own layout (the `tiny` model,
+over real HTTP) and on chat templates that render some fields, none, or refuse them."""
+
+import httpx
+import pytest
+
+from serve_helpers import start_server, torch_threads  # noqa: F401
+
+from pbkv.serve.tokenizer import ByteTokenizer, HFTokenizer, render_chat
+
+
+def conv(fn="get_weather", args='{"city": "Paris"}', call_id="call_1", answers="call_1", name=None, tag=""):
+    user = {"role": "user", "content": f"weather?{tag}"}
+    if name is not None:
+        user["name"] = name
+    return [user,
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": call_id, "type": "function", "function": {"name": fn, "arguments": args}}]},
+            {"role": "tool", "tool_call_id": answers, "content": "sunny"}]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": CITY}}]
+
+VARIANTS = {   # each differs from the base chat in one field
+    "base": (conv(), None),
+    "function": (conv(fn="delete_all_files"), None),
+    "arguments": (conv(args='{"path": "/"}'), None),
+    "call id": (conv(call_id="call_2"), None),
+    "tool_call_id": (conv(answers="call_9"), None),
+    "name": (conv(name="alice"), None),
+    "other name": (conv(name="bob"), None),
+    "tools": (conv(), TOOLS),
+}
+
+
+def as_prompt(messages):
+    """What `app.chat` hands the tokenizer (`Message.prompt_dict`)."""
+    from pbkv.serve.schemas import Message
+    return [Message.model_validate(m).prompt_dict() for m in messages]
+
+
+# ---------------------------------------------------------------- pbkv's own layout (no template)
+
+def test_pbkv_layout_tells_every_field_apart():
+    tok = ByteTokenizer(512)
+    prompts = {k: tuple(tok.chat(as_prompt(m), tools)) for k, (m, tools) in VARIANTS.items()}
+    assert len(set(prompts.values())) == len(VARIANTS)
+    text = render_chat(as_prompt(conv(name="alice")), TOOLS)
+    assert text.startswith('<|tools|>\n[{"type": "function", "function": {"name": "get_weather"')
+    assert '<|user name="alice"|>\nweather?\n' in text
+    assert ('<|assistant|>\ntool_calls: [{"id": "call_1", "type": "function", "function": {"name": "get_weather", '
+            '"arguments": "{\\"city\\": \\"Paris\\"}"}}]\n') in text
+    assert '<|tool tool_call_id="call_1"|>\nsunny\n' in text
+    plain = [{"role": "user", "content": "hi"}]
+    assert render_chat(plain) == "<|user|>\nhi\n<|assistant|>\n"   # a chat without them renders as before
+
+
+# ---------------------------------------------------------------- chat templates
+
+def hf_tokenizer(template: str) -> HFTokenizer:
+    """A real transformers tokenizer (bytes as tokens, built offline) with `template`."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    t = Tokenizer(models.BPE(vocab={chr(i): i for i in range(256)}, merges=[]))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+    tok.chat_template = template
+    return HFTokenizer(tok)
+
+
+ROLES_ONLY = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+              "{% if add_generation_prompt %}<assistant>{% endif %}")
+RICH = ("{% if tools %}<tools>{{ tools | tojson }}\n{% endif %}{% for m in messages %}<{{ m.role }}"
+        "{% if m.name %} {{ m.name }}{% endif %}>{{ m.content }}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "[{{ c.function.name }} {{ c.function.arguments | tojson }}]{% endfor %}{% endif %}\n{% endfor %}"
+        "<assistant>")
+REFUSES = ("{% for m in messages %}{% if m.tool_calls or m.name %}{{ raise_exception('unsupported') }}{% endif %}"
+           "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+
+
+@pytest.mark.parametrize("template", [ROLES_ONLY, RICH, REFUSES], ids=["roles-only", "rich", "refuses"])
+def test_a_template_that_drops_or_refuses_a_field_still_gets_it_as_text(template):
+    tok = hf_tokenizer(template)
+    prompts = {k: tok.render(as_prompt(m), tools) for k, (m, tools) in VARIANTS.items()}
+    assert len(set(prompts.values())) == len(VARIANTS), prompts
+    for text in prompts.values():
+        assert "pbkv_probe" not in text
+
+
+def test_a_template_that_renders_a_field_gets_it_in_its_own_format():
+    text = hf_tokenizer(RICH).render(as_prompt(conv(name="alice")), TOOLS)
+    assert text.startswith('<tools>[{"type": "function", "function": {"name": "get_weather"')   # tools=, natively
+    assert "<user alice>weather?" in text                          # the template's name
+    assert '[get_weather {"city": "Paris"}]' in text               # arguments as a JSON object (transformers)
+    assert 'tool_call_ids: ["call_1"]' in text                     # ids: this template drops them, so as text
+    assert '<tool>tool_call_id: "call_1"\nsunny' in text
+    assert "tool_calls:" not in text and "Tools (function definitions" not in text
+
+
+def test_a_template_without_those_fields_folds_them_into_the_messages():
+    text = hf_tokenizer(ROLES_ONLY).render(as_prompt(conv(name="alice")), TOOLS)
+    assert text.startswith('<system>Tools (function definitions, JSON): [{"type": "function"')
+    assert '<user>name: "alice"\nweather?\n' in text
+    assert ('<assistant>tool_calls: [{"id": "call_1", "type": "function", "function": {"name": "get_weather", '
+            '"arguments": "{\\"city\\": \\"Paris\\"}"}}]\n') in text
+    plain = [{"role": "user", "content": "hi"}]
+    assert hf_tokenizer(ROLES_ONLY).render(plain) == "<user>hi\n<assistant>"   # unchanged without them
+
+
+# ---------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def srv(torch_threads):  # noqa: F811
+    server = start_server()
+    yield server
+    server.stop()
+
+
+def ask(srv, messages, tools=None, **extra):
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True, **extra}
+    if tools is not None:
+        body["tools"] = tools
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+@pytest.mark.parametrize("variant", [k for k in VARIANTS if k != "base"])
+def test_chats_that_differ_in_one_field_are_different_prompts(srv, variant):
+    """The base chat is served first; the variant is not a whole-prompt cache hit on it (it was,
+    prompt - 1 tokens: only the last token recomputed, the same answer)."""
+    tag = f" ({variant})"   # this test's own chats: no hit on another test's
+    base = [dict(m) for m in VARIANTS["base"][0]]
+    base[0]["content"] += tag
+    ask(srv, base)
+    messages, tools = VARIANTS[variant]
+    messages = [dict(m) for m in messages]
+    messages[0]["content"] += tag
+    usage = ask(srv, messages, tools)
+    assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] - 1, usage
+    again = ask(srv, messages, tools)   # the same chat again is the same prompt
+    assert again["prompt_tokens_details"]["cached_tokens"] == again["prompt_tokens"] - 1
+
+
+def test_legacy_functions_and_function_call_messages_reach_the_prompt(srv):
+    msgs = [{"role": "user", "content": "legacy?"},
+            {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+            {"role": "function", "name": "f", "content": "42"}]
+    plain = [{"role": "user", "content": "legacy?"}, {"role": "assistant", "content": None},
+             {"role": "function", "content": "42"}]
+    with_fns = ask(srv, msgs, functions=[{"name": "f", "parameters": {"type": "object"}}], function_call="auto")
+    assert with_fns["prompt_tokens"] > ask(srv, msgs)["prompt_tokens"] > ask(srv, plain)["prompt_tokens"]
+
+
+@pytest.mark.parametrize("message, says", [
+    ({"role": "user", "content": "x", "tool_calls": [{"id": "c", "type": "function",
+                                                       "function": {"name": "f", "arguments": "{}"}}]},
+     "only an assistant message may carry tool_calls"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]},
+     "Field required"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f",
+                                                                                         "arguments": {}}}]},
+     "Input should be a valid string"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "web", "function": {"name": "f", "arguments": ""}}]},
+     "Input should be 'function'"),
+])
+def test_malformed_tool_calls_are_400s(srv, message, says):
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "q"}, message], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.1.tool_calls"), r.text
+    assert says in r.json()["error"]["message"]
