@@ -454,6 +454,17 @@ def test_a_p_evaluating_past_a_float_is_an_error_naming_the_transition(p):
         list(runs(parse_spec(data, "mini.yaml"), 3))
 
 
+def test_integer_ps_whose_sum_passes_a_float_draw_like_float_ones():
+    # two p's of 10**308 (ints from an expression): each a finite float, their int sum compared
+    # below inf and crashed the draw (OverflowError); they draw as [1e308, 1e308] do
+    def drawn(p):
+        data = yaml.safe_load(MINI)
+        data["flow"]["transitions"]["intake"] = [{"to": "checker", "p": p}, {"to": "END", "p": p}]
+        data["flow"]["start"] = "intake"
+        return [[c.agent for c in r.calls] for r in runs(parse_spec(data, "mini.yaml"), 50)]
+    assert drawn(f"{10 ** 308} * 1") == drawn(1e308) == drawn(1.0)
+
+
 def test_long_values_are_cut_in_error_messages():
     data = yaml.safe_load(MINI)
     data["flow"]["transitions"]["intake"] = [{"to": "checker", "p": "[1] * 300"}]

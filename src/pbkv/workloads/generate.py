@@ -175,7 +175,9 @@ def _finite_weight(p) -> bool:
 def finite_sum(weights: list[float]) -> list[float]:
     """`weights` (finite, >= 0) with a finite sum and the same ratios: as given when their sum is
     finite (so every such spec draws exactly as before), else each divided by the largest (two
-    weights of 1e308 overflow to inf, and a draw scaled by inf always lands on the last)."""
+    weights of 1e308 overflow to inf, and a draw scaled by inf always lands on the last). Floats
+    out: an expression's ints (two of 10**308) have an int sum that no draw can be scaled by."""
+    weights = [float(w) for w in weights]   # each is finite as a float (`_finite_weight`)
     if sum(weights) < math.inf:
         return weights
     top = max(weights)
