@@ -306,3 +306,13 @@ def test_status_lines_print_bracketed_file_names_as_given(tmp_path):
     ]:
         r = runner.invoke(app, args)
         assert r.exit_code == 0 and shown in _one_line(r.output), (args, r.output)
+
+
+def test_bench_prints_a_bracketed_out_folder_as_given(tmp_path):
+    """`--out 'res[v2]'` was reported as 'res/bench.json', and 'd[/v2]' crashed with a MarkupError
+    after every run and write (exit 1)."""
+    (tmp_path / "d[").mkdir()
+    for out in (tmp_path / "res[v2]", tmp_path / "d[" / "v2]"):
+        r = runner.invoke(app, ["bench", "--workload", "dialogue", "--policies", "lru", "--concurrency", "2",
+                                "--workflows", "4", "--jobs", "1", "--out", str(out)])
+        assert r.exit_code == 0 and f"results: {out / 'bench.json'}" in _one_line(r.output), r.output

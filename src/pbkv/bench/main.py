@@ -192,7 +192,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     removed = remove_plots(earlier, plots)
     if partial is not None:
         partial.path.unlink(missing_ok=True)
-    console.print("results: " + "\n         ".join(map(str, [*paths, *plots])))
+    console.print("results: " + "\n         ".join(map(str, [*paths, *plots])), markup=False, highlight=False)
     if removed:
         console.print("removed an earlier run's plots (not of this run's workloads): "
                       + ", ".join(map(str, removed)), markup=False, highlight=False)
