@@ -136,6 +136,14 @@ def test_null_sampling_fields_mean_the_default(srv, path, field):
     assert got.choices[0].finish_reason in ("stop", "length")
 
 
+def test_null_echo_means_no_echo(srv):
+    """`echo` is nullable in OpenAI's completions API; null was a 400 ("should be a valid boolean")."""
+    r = completion(srv, echo=None, prompt="abc", temperature=0, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == completion(srv, prompt="abc", temperature=0, max_tokens=2).json()[
+        "choices"][0]["text"]
+
+
 def test_a_limit_error_names_max_completion_tokens_when_the_client_sent_it(srv):
     limit = srv.state.config.max_tokens_limit
     err = assert_openai_error(chat(srv, max_tokens=None, max_completion_tokens=limit + 1), 400,

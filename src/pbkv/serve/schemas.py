@@ -261,6 +261,11 @@ class CompletionRequest(_Common):
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, v):
+        return False if v is None else v   # nullable in OpenAI's API, as NULL_IS_DEFAULT's fields
+
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
