@@ -233,8 +233,7 @@ def test_ending_a_workflow_elsewhere_in_the_background_never_raises(short_timeou
     worker = remote.RemoteWorker(handle, 16, None, None)
 
     async def main():
-        worker.visited["w"] = {"a", "b"}
-        worker._end_elsewhere("w", "a")
+        worker._end_elsewhere("w")
         await asyncio.gather(*worker._background)
         with pytest.raises(APIError) as err:
             await worker.end_workflow("w")
@@ -499,8 +498,13 @@ def test_with_the_deployment_gone_the_ingress_still_answers_metrics_health_and_e
 def test_past_its_bound_the_ingress_forgets_the_workflow_idle_longest(monkeypatch):
     """It cleared every workflow at once, the running ones too (they then ended on the other
     replicas only by idle timeout)."""
+    from pbkv.engine.sampling import Sampling
+    from pbkv.serve.jobs import Job
+    from pbkv.serve.workflows import Hints
     monkeypatch.setattr(remote, "MAX_VISITED", 3)
     worker = remote.RemoteWorker(FakeHandle(FakeReplica("a")), 16, None, None)
     for wid, replica in [("w1", "a"), ("w2", "a"), ("w3", "b"), ("w1", "b"), ("w4", "a")]:
-        worker._visit(wid, replica)
-    assert worker.visited == {"w3": {"b"}, "w1": {"a", "b"}, "w4": {"a"}}   # w2 idle longest; w1 called again
+        flow = worker._open(Job([1], Sampling(max_new_tokens=1), Hints(wid)))
+        worker._placed_on(flow, replica, done=False)
+    got = {wid: flow.replicas for wid, flow in worker.visited.items()}
+    assert got == {"w3": {"b"}, "w1": {"a", "b"}, "w4": {"a"}}   # w2 idle longest; w1 called again

@@ -15,9 +15,21 @@ client is sent once more, avoiding that replica; otherwise it ends with a `repli
 Invariant (as `EngineWorker`'s): every submitted job that is not cancelled gets exactly one
 `Done`, after its text, in order; `in_flight` counts submitted jobs not yet ended or cancelled.
 
-Workflow ends: a call with `workflow_done` ends its run on the replica that served it; other
-replicas that served calls of that workflow (tracked in `visited`) are told to end theirs too,
-and `POST /v1/workflows/{id}/end` is broadcast to every replica.
+Workflow ends, as in one process (`pbkv.serve.workflows`: a run ends once a `workflow_done` call
+or the endpoint ended it and its last call in flight finished): the ingress keeps a `Flow` per
+client workflow id (`visited`, bounded by `MAX_VISITED`, idle longest forgotten first): the
+replicas its calls were placed on (noted at each call's first event, `{"replica": id}`, not when
+it finishes) and its calls not finished yet. A `workflow_done` call ends its run on the replica
+that serves it and detaches the flow (a later call with that id starts a new one, as in one
+process); `POST /v1/workflows/{id}/end` is broadcast to every replica at once (a replica with
+calls of it in flight ends its run after them) and detaches it too. Once an ended flow's last call
+finishes, the end is broadcast to the replicas (each ends its run of that id, if any), unless its
+only replica was the one that ran the `workflow_done` call and no other call of the run was in
+flight then (that replica's run already ended: nothing to do). So a call still running, or still
+waiting to be placed, when the workflow ended no longer leaves a run open on another replica
+until the idle timeout (cut short at shutdown: never recorded nor learned from). Not exact where
+a new run of the same id reaches a replica before the old run's end does: the replica, which
+knows only the id, counts both calls in one run.
 
 Broadcasts (`broadcast`, also /metrics'): Ray Serve's `handle.broadcast(m).results_async(...)` is
 all or nothing (one frozen replica times the whole call out; with no replica running it raises
@@ -42,6 +54,7 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 from pbkv.engine.hf import ERROR, block_hashes
@@ -125,6 +138,17 @@ async def broadcast(handle, method: str, *args, timeout_s: float | None = None) 
     return answers
 
 
+@dataclass(eq=False)
+class Flow:
+    """The ingress's view of one run of a client workflow across the replicas (module docstring)."""
+
+    replicas: set[str] = field(default_factory=set)   # where its calls were placed (running or finished)
+    in_flight: int = 0            # its calls submitted and not finished (placed or still queued in Ray)
+    ending: bool = False          # a workflow_done call or the endpoint ended it
+    done_on: str | None = None    # the replica its workflow_done call was placed on (it ends its own run)
+    shared: bool = False          # another call of the run was in flight when the workflow_done call was placed
+
+
 class RemoteWorker:
     """`running()`: the replicas running now as the ingress's router knows them (None: unknown,
     never refused); see the module docstring."""
@@ -138,7 +162,7 @@ class RemoteWorker:
         self.retried, self.failed = retried, failed   # prometheus counters of the ingress
         self.in_flight = 0
         self.tasks: dict[int, asyncio.Task] = {}
-        self.visited: dict[str, set[str]] = {}
+        self.visited: dict[str, Flow] = {}   # client workflow id -> its run now, idle longest first
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ EngineWorker's API
@@ -169,7 +193,9 @@ class RemoteWorker:
     def end_workflow(self, workflow_id: str) -> asyncio.Future:
         """Resolves to whether any replica that answered had a run of `workflow_id` (and ended it);
         raises `replicas_unavailable()` when none answered."""
-        self.visited.pop(workflow_id, None)
+        flow = self.visited.pop(workflow_id, None)
+        if flow is not None:
+            flow.ending = True   # its calls in flight: ended again where they ran once they finish
         workflow_ended(getattr(self.handle, "app_name", None), workflow_id)   # this process's routers
         return asyncio.ensure_future(self._end_everywhere(workflow_id))
 
@@ -193,26 +219,53 @@ class RemoteWorker:
         return route_hints(workflow_id, job.hints.agent, block_hashes(job.prompt_ids, self.block_size),
                            len(job.prompt_ids), job.sampling.max_new_tokens, done=one_call or job.hints.done)
 
-    def _visit(self, workflow_id: str, replica: str) -> None:
-        """Remember that `replica` served a call of `workflow_id`, newest last; past MAX_VISITED
-        the workflow idle longest is forgotten (clearing them all forgot the running ones too,
-        which then ended on the other replicas only by idle timeout)."""
-        replicas = self.visited.pop(workflow_id, set())
-        replicas.add(replica)
-        self.visited[workflow_id] = replicas
-        if len(self.visited) > MAX_VISITED:
-            del self.visited[next(iter(self.visited))]
+    def _open(self, job: Job) -> Flow | None:
+        """A call of a client workflow is submitted: its run's `Flow` (None without a workflow id),
+        newest last in `visited`; past MAX_VISITED the workflow idle longest is forgotten
+        (clearing them all forgot the running ones too). A `workflow_done` call ends the run: its
+        flow leaves `visited`, so a later call with this id starts a new run, as in one process."""
+        workflow_id = job.hints.workflow_id
+        if workflow_id is None:
+            return None
+        flow = self.visited.pop(workflow_id, None) or Flow()
+        flow.in_flight += 1
+        if job.hints.done:
+            flow.ending = True
+        else:
+            self.visited[workflow_id] = flow
+            if len(self.visited) > MAX_VISITED:
+                del self.visited[next(iter(self.visited))]
+        return flow
+
+    @staticmethod
+    def _placed_on(flow: Flow, replica: str, done: bool) -> None:
+        """A call of `flow` was placed on `replica` (its first event): noted at once, so an end
+        that comes while the call runs reaches that replica too."""
+        flow.replicas.add(replica)
+        if done:
+            flow.done_on = replica
+            flow.shared = flow.shared or flow.in_flight > 1
+
+    def _close(self, flow: Flow, workflow_id: str) -> None:
+        """A call of `flow` finished (answered, failed or cancelled). When it was the last call in
+        flight of an ended run, the run ends on the replicas its calls ran on (module docstring)."""
+        flow.in_flight -= 1
+        if flow.ending and flow.in_flight == 0 and (flow.shared or not flow.replicas <= {flow.done_on}):
+            self._end_elsewhere(workflow_id)
 
     async def _pump(self, job: Job) -> None:
+        flow = self._open(job)
+        try:
+            await self._serve(job, flow)
+        finally:
+            if flow is not None:
+                self._close(flow, job.hints.workflow_id)
+
+    async def _serve(self, job: Job, flow: Flow | None) -> None:
         route, retries = self.route(job), 0
         while True:
-            done, replica, sent, exc = await self._attempt(job, route)
-            workflow_id = job.hints.workflow_id
-            if replica is not None and workflow_id is not None:
-                self._visit(workflow_id, replica)
+            done, replica, sent, exc = await self._attempt(job, route, flow)
             if done is not None:
-                if job.hints.done and workflow_id is not None:
-                    self._end_elsewhere(workflow_id, replica)
                 return
             if isinstance(exc, NoReplica):
                 log.warning("no engine replica ran for %g s while a call waited: answered 503", NO_REPLICA_WAIT_S)
@@ -235,7 +288,7 @@ class RemoteWorker:
             job.events.put_nowait(done)
             return
 
-    async def _attempt(self, job: Job, route: dict):
+    async def _attempt(self, job: Job, route: dict, flow: Flow | None = None):
         """One streamed call: (its Done or None, the replica it ran on, whether text reached the
         client, the exception that ended it). Text of a plain answer is held back until its Done."""
         copy = Job(job.prompt_ids, job.sampling, job.hints, job.stops, job.context, streamed=job.streamed)
@@ -246,6 +299,8 @@ class RemoteWorker:
             while True:
                 if isinstance(event, dict):
                     replica = event.get("replica")
+                    if flow is not None and replica is not None:
+                        self._placed_on(flow, replica, job.hints.done)
                 elif isinstance(event, Done):
                     self._count(event)
                     for piece in held:
@@ -300,10 +355,10 @@ class RemoteWorker:
             if not first.done():
                 first.cancel()
 
-    def _end_elsewhere(self, workflow_id: str, served_by: str | None) -> None:
-        """A `workflow_done` call ended the run where it ran; end the workflow's runs elsewhere."""
-        others = self.visited.pop(workflow_id, set()) - {served_by}
-        if others:
-            task = asyncio.ensure_future(self._broadcast_end(workflow_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+    def _end_elsewhere(self, workflow_id: str) -> None:
+        """An ended run's last call finished: end `workflow_id` on the replicas (in the
+        background; never raises, see `broadcast`). A replica whose run already ended, or that
+        never had one, answers False."""
+        task = asyncio.ensure_future(self._broadcast_end(workflow_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

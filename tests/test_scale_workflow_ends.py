@@ -1,0 +1,164 @@
+"""`pbkv serve --replicas N`, on fake deployment handles (no Ray): a workflow ends on every replica
+that ran or runs one of its calls, once its last call in flight finishes (as in one process,
+`pbkv.serve.workflows`), and a plain answer's time to first token is when its first piece came
+from the replica, not when the ingress handed the held text on."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from pbkv.engine.sampling import Sampling  # noqa: E402
+from pbkv.scale import adapter, remote  # noqa: E402
+from pbkv.scale.ingress import ingress_state  # noqa: E402
+from pbkv.serve import ServeConfig, generate  # noqa: E402
+from pbkv.serve.app import create_app  # noqa: E402
+from pbkv.serve.jobs import Done, Job  # noqa: E402
+from pbkv.serve.metrics import parse  # noqa: E402
+from pbkv.serve.workflows import Hints  # noqa: E402
+from test_scale_failures import FakeHandle, FakeReplica  # noqa: E402
+from test_scale_unavailable import Handle as InfoHandle, Router  # noqa: E402
+
+
+class Call:
+    """One streamed `generate` call whose events the test sends (`None`: the stream ends)."""
+
+    def __init__(self):
+        self.events: asyncio.Queue = asyncio.Queue()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        event = await self.events.get()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+    def cancel(self):
+        pass
+
+
+class Replicas(FakeHandle):
+    """Replicas `a` and `b`: each `generate` call is a `Call` the test drives; broadcasts reach both."""
+
+    def __init__(self):
+        self.a, self.b = FakeReplica("a"), FakeReplica("b")
+        super().__init__(self.a, self.b)
+        self.calls: list[Call] = []
+
+    def remote(self, route, job):
+        self.calls.append(Call())
+        return self.calls[-1]
+
+
+def _submit(worker, handle, done: bool = False, streamed: bool = True):
+    job = worker.submit(Job(list(range(40)), Sampling(max_new_tokens=4), Hints("w", "ag", done=done),
+                            streamed=streamed))
+    return job, worker.tasks[id(job)]
+
+
+async def _next_call(handle, n: int) -> Call:
+    while len(handle.calls) < n:   # the pump task makes its call at its first step
+        await asyncio.sleep(0)
+    return handle.calls[n - 1]
+
+
+async def _answered(job, task) -> None:
+    """The job's Done came and its pump finished (its bookkeeping included)."""
+    while not isinstance(await job.events.get(), Done):
+        pass
+    await task
+
+
+def test_a_workflow_done_that_finishes_first_still_ends_the_run_of_a_call_running_elsewhere():
+    """The done call (replica a) finished while the workflow's other call ran on b: the ingress
+    knew only the replicas whose calls had finished, so b's run stayed open until the idle
+    timeout (cut short at shutdown, never recorded). Now b's run ends once that call finishes."""
+    handle = Replicas()
+    handle.b.workflows.add("w")        # b's run of w (its call below joined it)
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        long, long_task = _submit(worker, handle)
+        long_call = await _next_call(handle, 1)
+        last, last_task = _submit(worker, handle, done=True)
+        last_call = await _next_call(handle, 2)
+        long_call.events.put_nowait({"replica": "b"})
+        long_call.events.put_nowait("x")
+        assert await long.events.get() == "x"          # running on b
+        last_call.events.put_nowait({"replica": "a"})
+        last_call.events.put_nowait(Done("stop", 40, 1))
+        await _answered(last, last_task)
+        await asyncio.gather(*worker._background)
+        assert handle.b.calls == 0 and "w" in handle.b.workflows   # not while its call runs (as one process)
+        long_call.events.put_nowait(Done("stop", 40, 4))
+        await _answered(long, long_task)
+        await asyncio.gather(*worker._background)
+        assert "w" not in handle.b.workflows           # ended once its last call finished
+        assert worker.in_flight == 0 and "w" not in worker.visited
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_an_ended_workflows_call_placed_after_the_end_still_ends_where_it_ran():
+    """POST /v1/workflows/w/end while a call of w waited in Ray's queue: the end reached the
+    replicas before the call did, and the run the call then started on b never ended."""
+    handle = Replicas()
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        job, task = _submit(worker, handle)
+        call = await _next_call(handle, 1)
+        assert await worker.end_workflow("w") is False  # no replica has a run of w yet
+        call.events.put_nowait({"replica": "b"})
+        handle.b.workflows.add("w")                    # the call starts b's run
+        call.events.put_nowait(Done("stop", 40, 4))
+        await _answered(job, task)
+        await asyncio.gather(*worker._background)
+        assert "w" not in handle.b.workflows
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_workflow_served_call_by_call_on_one_replica_ends_there_without_a_broadcast():
+    handle = Replicas()
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        for n, done in enumerate([False, False, True], start=1):
+            job, task = _submit(worker, handle, done=done)
+            call = await _next_call(handle, n)
+            call.events.put_nowait({"replica": "a"})
+            call.events.put_nowait(Done("stop", 40, 4))
+            await _answered(job, task)
+        await asyncio.gather(*worker._background)
+        assert handle.a.calls == handle.b.calls == 0   # the done call's replica ended its run itself
+        assert worker.visited == {}
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_call_after_the_workflow_done_call_starts_a_new_run_which_stays_open():
+    """As in one process: once a workflow_done call arrived, a call with the same id starts a new
+    run; that run is not ended when the old one's calls finish."""
+    handle = Replicas()
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        last, last_task = _submit(worker, handle, done=True)
+        last_call = await _next_call(handle, 1)
+        new, new_task = _submit(worker, handle)
+        new_call = await _next_call(handle, 2)
+        for call, replica in [(last_call, "a"), (new_call, "b")]:
+            call.events.put_nowait({"replica": replica})
+            call.events.put_nowait(Done("stop", 40, 4))
+        await _answered(last, last_task)
+        await _answered(new, new_task)
+        await asyncio.gather(*worker._background)
+        assert handle.a.calls == handle.b.calls == 0
+        flow = worker.visited["w"]
+        assert flow.replicas == {"b"} and flow.in_flight == 0 and not flow.ending
+    asyncio.run(asyncio.wait_for(main(), 10))
