@@ -162,3 +162,72 @@ def test_a_call_after_the_workflow_done_call_starts_a_new_run_which_stays_open()
         flow = worker.visited["w"]
         assert flow.replicas == {"b"} and flow.in_flight == 0 and not flow.ending
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+# ---------------------------------------------------------------------- time to first token
+
+class Clock:
+    """`time` as `pbkv.serve.generate` and `pbkv.scale.remote` read it, with a hand-moved perf_counter."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+
+class Timed:
+    """A replica's plain answer: its first piece 1 s after the call, its Done 9 s later."""
+
+    def __init__(self, clock: Clock):
+        self.clock, self.events = clock, [{"replica": "a"}, "hel", "lo", Done("stop", 2, 2)]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.events:
+            raise StopAsyncIteration
+        event = self.events.pop(0)
+        self.clock.now += 5.0 if isinstance(event, Done) else 0.0 if isinstance(event, dict) else \
+            {"hel": 1.0, "lo": 4.0}[event]
+        return event
+
+    def cancel(self):
+        pass
+
+
+class TimedHandle(InfoHandle):
+    app_name = "ttft-app"
+
+    def __init__(self, clock: Clock):
+        super().__init__()
+        self.clock = clock
+
+    def remote(self, route, job):
+        return Timed(self.clock)
+
+
+def test_a_plain_answers_time_to_first_token_is_when_its_first_piece_came(monkeypatch):
+    """The ingress holds a plain answer's text until its Done (to retry it on another replica);
+    the app timed the first token when it got the held text, so TTFT was the whole latency."""
+    clock = Clock()
+    monkeypatch.setattr(generate, "time", clock)
+    monkeypatch.setattr(remote, "time", clock)
+    router = Router(1)
+    router.app_name = TimedHandle.app_name
+    adapter.register_router(router)
+    state = ingress_state(ServeConfig(model="tiny"), TimedHandle(clock), 1)
+
+    async def main():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://ingress")
+        async with http:
+            answer = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+            assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "hello", answer.text
+    asyncio.run(main())
+    got = parse(state.metrics.exposition().decode())
+    assert got["pbkv_request_latency_seconds_sum"] == pytest.approx(10.0)
+    assert got["pbkv_time_to_first_token_seconds_sum"] == pytest.approx(1.0)   # was 10.0

@@ -62,7 +62,7 @@ from pbkv.scale.adapter import workflow_ended
 from pbkv.scale.failover import Action, decide, route_hints
 from pbkv.serve.errors import APIError
 from pbkv.serve.generate import REPLICA_FAILED, REPLICAS_UNAVAILABLE, RETRY_AFTER_S as RETRY_AFTER_BY_CODE
-from pbkv.serve.jobs import Done, Job
+from pbkv.serve.jobs import Done, HeldText, Job
 
 log = logging.getLogger("pbkv.scale")
 MAX_VISITED = 100_000   # workflows remembered for ending elsewhere (ones that end idle are never popped)
@@ -290,7 +290,9 @@ class RemoteWorker:
 
     async def _attempt(self, job: Job, route: dict, flow: Flow | None = None):
         """One streamed call: (its Done or None, the replica it ran on, whether text reached the
-        client, the exception that ended it). Text of a plain answer is held back until its Done."""
+        client, the exception that ended it). Text of a plain answer is held back until its Done;
+        its first piece goes on as a `HeldText` stamped with when it came from the replica (the
+        server's time to first token, as in one process)."""
         copy = Job(job.prompt_ids, job.sampling, job.hints, job.stops, job.context, streamed=job.streamed)
         gen = self.stream.remote(route, copy)
         replica, sent, held = None, False, []
@@ -311,7 +313,7 @@ class RemoteWorker:
                     job.events.put_nowait(event)
                     sent = True
                 else:
-                    held.append(event)
+                    held.append(event if held else HeldText(event, time.perf_counter()))
                 event = await gen.__anext__()
         except StopAsyncIteration:
             return None, replica, sent, RuntimeError("the replica's stream ended without an answer")

@@ -111,7 +111,8 @@ async def respond(state, request: Request, p: Prepared):
                 if isinstance(event, Done):
                     done = event
                     break
-                first = first or time.perf_counter()
+                # a piece the replicas' ingress held: when it came (HeldText), not when handed on
+                first = first or getattr(event, "arrived", None) or time.perf_counter()
                 parts.append(event)
     except ConnectionError:
         return Response(status_code=CLIENT_GONE)  # nobody reads it; counted in /metrics as 499

@@ -21,7 +21,21 @@ if TYPE_CHECKING:
     from pbkv.serve.tokenizer import Detokenizer
     from pbkv.serve.workflows import Run
 
-__all__ = ["CANCELLED", "ERROR", "Done", "Job"]
+__all__ = ["CANCELLED", "ERROR", "Done", "HeldText", "Job"]
+
+
+class HeldText(str):
+    """A text piece handed on later than it came: the ingress of `pbkv serve --replicas` holds a
+    plain answer's text until its `Done` (to retry the call if its replica is lost). `arrived` is
+    when it came from the engine (`time.perf_counter()`): the time to first token the server
+    reports, as in one process."""
+
+    arrived: float
+
+    def __new__(cls, text: str, arrived: float):
+        piece = super().__new__(cls, text)
+        piece.arrived = arrived
+        return piece
 
 
 @dataclass(frozen=True)
