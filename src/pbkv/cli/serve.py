@@ -14,7 +14,25 @@ from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, Mode
                              readable_folder)
 
 
+# options that act only with --replicas > 1: named in a warning when given with --replicas 1
+REPLICA_ONLY = ("router", "ray_address", "measured_costs", "replica_cpus", "replica_gpus", "health_check_period",
+                "health_check_timeout", "engine_stall")
+
+
+def given(ctx: typer.Context, names) -> list[str]:
+    """The options among `names` (parameter names) the user gave (command line or environment),
+    as `--flags`, in `names`' order. Sources compared by name: typer may bring its own copy of
+    click, whose `ParameterSource` is not `click.core`'s."""
+    out = []
+    for name in names:
+        source = ctx.get_parameter_source(name)
+        if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
+            out.append("--" + name.replace("_", "-"))
+    return out
+
+
 def serve(
+    ctx: typer.Context,
     model: ModelOpt = "tiny",
     policy: PolicyOpt = "pbkv",
     host: Annotated[str, typer.Option(help="Address to bind (loopback by default; set --api-key before exposing it).")] = "127.0.0.1",
@@ -118,9 +136,11 @@ def serve(
                       max_connections=max_connections, max_agents=max_agents, header_timeout=header_timeout, body_timeout=body_timeout,
                       keep_alive=keep_alive, threads=threads)
     if replicas == 1:
-        if ray_address is not None or router is not None or measured_costs:
-            console.print("[yellow]warning:[/yellow] --router, --ray-address and --measured-costs apply only with "
-                          "--replicas > 1")
+        ignored = given(ctx, REPLICA_ONLY)
+        if ignored:
+            names = ignored[0] if len(ignored) == 1 else ", ".join(ignored[:-1]) + " and " + ignored[-1]
+            console.print(f"[yellow]warning:[/yellow] {names} appl{'ies' if len(ignored) == 1 else 'y'} only with "
+                          "--replicas > 1 (ignored: this process serves alone)")
         with exit_on_error():
             state = run(cfg, log_level=log_level)
         if state is not None and state.setup.save_error:   # already logged as one error line at shutdown
