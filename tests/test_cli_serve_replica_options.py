@@ -1,7 +1,13 @@
 """`pbkv serve` options that act only with `--replicas N` (no Ray: the servers are faked): with
-`--replicas 1` each one the user gave is named in a warning."""
+`--replicas 1` each one the user gave is named in a warning; with N > 1 a port already taken is
+refused before Ray and the replicas start."""
 
 from __future__ import annotations
+
+import socket
+import sys
+import time
+import types
 
 import pytest
 from typer.testing import CliRunner
@@ -39,3 +45,41 @@ def test_with_one_replica_the_replica_only_options_given_are_named(monkeypatch, 
 
 def test_with_one_replica_and_no_replica_option_there_is_no_warning(monkeypatch):
     assert "warning" not in _one(monkeypatch, "--replicas", "1")
+
+
+@pytest.fixture
+def fake_replicas(monkeypatch):
+    """The replicas' app, without Ray: the calls it got (none when the CLI refused first)."""
+    import pbkv.scale.options as options
+    runs = []
+    monkeypatch.setattr(options, "local_machine", lambda: (2, 0))
+    fake = types.ModuleType("pbkv.scale.serve_app")
+    fake.run = lambda cfg, opts, log_level, layout_checked=False: runs.append(cfg.port)
+    monkeypatch.setitem(sys.modules, "pbkv.scale.serve_app", fake)
+    return runs
+
+
+def test_with_replicas_a_port_in_use_is_refused_before_ray_starts(fake_replicas):
+    """It was found only when the ingress's uvicorn bound it, after Ray and every replica had
+    started (~30 s here); exit 3, as the single-process server's (uvicorn's) refusal."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--port", str(port)])
+        assert time.monotonic() - start < 30
+    out = " ".join(r.output.split())
+    assert r.exit_code == 3, r.output
+    assert f"cannot bind 127.0.0.1:{port}" in out and "choose another --port" in out, out
+    assert fake_replicas == []                       # the replicas were never started
+
+
+def test_with_replicas_a_free_port_or_port_0_starts_them(fake_replicas):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    for port in (free, 0):
+        r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--port", str(port)])
+        assert r.exit_code == 0, r.output
+    assert fake_replicas == [free, 0]

@@ -309,7 +309,7 @@ def test_pbkv_serve_checks_the_layout_once_and_passes_the_health_options(monkeyp
     fake = types.ModuleType("pbkv.scale.serve_app")   # no Ray: what the CLI hands to serve_app.run
     fake.run = lambda cfg, opts, log_level, layout_checked=False: runs.append((opts, layout_checked))
     monkeypatch.setitem(sys.modules, "pbkv.scale.serve_app", fake)
-    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--health-check-period", "1.5",
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--port", "0", "--health-check-period", "1.5",
                                  "--health-check-timeout", "2", "--engine-stall", "5"])
     assert r.exit_code == 0, r.output
     [(opts, layout_checked)] = runs
@@ -317,7 +317,7 @@ def test_pbkv_serve_checks_the_layout_once_and_passes_the_health_options(monkeyp
     assert (opts.health_check_period_s, opts.health_check_timeout_s, opts.engine_stall_s) == (1.5, 2, 5)
     reached = []   # with a cluster address: checked once, by the CLI, and serve_app told so
     monkeypatch.setattr(options, "check_reachable", reached.append)
-    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", "10.0.0.1:6379"])
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--port", "0", "--ray-address", "10.0.0.1:6379"])
     assert r.exit_code == 0, r.output
     assert reached == ["10.0.0.1:6379"] and runs[-1][1] is True
 

@@ -159,7 +159,8 @@ def test_one_replica_serves_in_process_without_importing_ray():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             closed = s.getsockname()[1]      # bound, not listening: a connection is refused
-            r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--ray-address", f"127.0.0.1:{closed}"])
+            r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--port", "0",
+                                         "--ray-address", f"127.0.0.1:{closed}"])
         assert r.exit_code == 2 and "nothing answers there" in r.output, r.output
         assert "ray" not in sys.modules, "ray was imported"
         print("ok")
@@ -209,9 +210,10 @@ def test_every_replica_gets_the_shared_dir_and_its_own_disk_dir(tmp_path, monkey
     from pbkv.cli import app
     from pbkv.scale.replica import replica_config
     seen = {}
-    monkeypatch.setattr(serve_app, "run", lambda cfg, opts, log_level: seen.update(cfg=cfg, opts=opts))
+    monkeypatch.setattr(serve_app, "run", lambda cfg, opts, log_level, layout_checked=False:
+                        seen.update(cfg=cfg, opts=opts))
     monkeypatch.chdir(tmp_path)
-    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--router", "round-robin", "--shared-dir", "kv",
+    r = CliRunner().invoke(app, ["serve", "--replicas", "2", "--port", "0", "--router", "round-robin", "--shared-dir", "kv",
                                  "--shared-bytes", "1000000", "--disk-dir", "disk"])
     assert r.exit_code == 0, r.output
     cfg = seen["cfg"]

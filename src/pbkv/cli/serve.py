@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,6 +18,7 @@ from pbkv.cli.common import (DeviceTokensOpt, DiskTokensOpt, HostTokensOpt, Mode
 # options that act only with --replicas > 1: named in a warning when given with --replicas 1
 REPLICA_ONLY = ("router", "ray_address", "measured_costs", "replica_cpus", "replica_gpus", "health_check_period",
                 "health_check_timeout", "engine_stall")
+PORT_TAKEN = 3   # the exit status of uvicorn (the single-process server) when it cannot bind the port
 
 
 def given(ctx: typer.Context, names) -> list[str]:
@@ -29,6 +31,18 @@ def given(ctx: typer.Context, names) -> list[str]:
         if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
             out.append("--" + name.replace("_", "-"))
     return out
+
+
+def check_port(host: str, port: int) -> None:
+    """Raises OSError when `host:port` cannot be bound now, tried as uvicorn binds it (IPv6 for a
+    host with ':', SO_REUSEADDR): with --replicas, before Ray and the replicas start (tens of
+    seconds) rather than when the ingress's uvicorn binds it after them. Port 0 (any free one)
+    always binds."""
+    if port == 0:
+        return
+    with socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
 
 
 def serve(
@@ -155,7 +169,13 @@ def serve(
         check_options(opts)          # before the Ray import: a bad option is refused with or without Ray
         if ray_address is None:
             check_local(opts, *local_machine())
-        else:
+    try:
+        check_port(host, port)       # before Ray and the replicas start (tens of seconds), not after
+    except OSError as e:
+        fail(f"cannot bind {host}:{port} ({e.strerror or e}): another server may be using it; "
+             f"choose another --port", code=PORT_TAKEN)
+    if ray_address is not None:
+        with exit_on_error():
             check_reachable(ray_address)   # Ray would retry an unreachable address for minutes
     try:
         from pbkv.scale.serve_app import run as run_replicas
