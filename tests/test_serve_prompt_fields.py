@@ -5,12 +5,14 @@ Before, only role and text were rendered: two chats with different tool calls (o
 same prompt, got the same answer and shared KV. Checked on pbkv's own layout (the `tiny` model,
 over real HTTP) and on chat templates that render some fields, none, or refuse them."""
 
+import json
+
 import httpx
 import pytest
 
 from serve_helpers import start_server, torch_threads  # noqa: F401
 
-from pbkv.serve.tokenizer import ByteTokenizer, HFTokenizer, render_chat
+from pbkv.serve.tokenizer import ByteTokenizer, ChatRefused, HFTokenizer, render_chat
 
 
 def conv(fn="get_weather", args='{"city": "Paris"}', call_id="call_1", answers="call_1", name=None, tag=""):
@@ -83,8 +85,16 @@ RICH = ("{% if tools %}<tools>{{ tools | tojson }}\n{% endif %}{% for m in messa
 REFUSES = ("{% for m in messages %}{% if m.tool_calls or m.name %}{{ raise_exception('unsupported') }}{% endif %}"
            "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
 
+# Mistral-Instruct v0.1/v0.2's: strictly alternating user/assistant turns, no system or tool role
+MISTRAL_LIKE = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+                "{% endif %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% elif m.role == 'assistant' %}"
+                "{{ m.content }}</s>{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+                "{% endif %}{% endfor %}")
+TEMPLATES = {"roles-only": ROLES_ONLY, "rich": RICH, "refuses": REFUSES}
 
-@pytest.mark.parametrize("template", [ROLES_ONLY, RICH, REFUSES], ids=["roles-only", "rich", "refuses"])
+
+@pytest.mark.parametrize("template", TEMPLATES.values(), ids=TEMPLATES.keys())
 def test_a_template_that_drops_or_refuses_a_field_still_gets_it_as_text(template):
     tok = hf_tokenizer(template)
     prompts = {k: tok.render(as_prompt(m), tools) for k, (m, tools) in VARIANTS.items()}
@@ -105,12 +115,54 @@ def test_a_template_that_renders_a_field_gets_it_in_its_own_format():
 
 def test_a_template_without_those_fields_folds_them_into_the_messages():
     text = hf_tokenizer(ROLES_ONLY).render(as_prompt(conv(name="alice")), TOOLS)
-    assert text.startswith('<system>Tools (function definitions, JSON): [{"type": "function"')
-    assert '<user>name: "alice"\nweather?\n' in text
+    assert text.startswith(f'<user>Tools (function definitions, JSON): {json.dumps(TOOLS)}\n\n'
+                           'name: "alice"\nweather?\n')   # into the first message, before its text
     assert ('<assistant>tool_calls: [{"id": "call_1", "type": "function", "function": {"name": "get_weather", '
             '"arguments": "{\\"city\\": \\"Paris\\"}"}}]\n') in text
     plain = [{"role": "user", "content": "hi"}]
     assert hf_tokenizer(ROLES_ONLY).render(plain) == "<user>hi\n<assistant>"   # unchanged without them
+
+
+PLAIN_CHATS = [[{"role": "user", "content": "hi"}],
+               [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                {"role": "user", "content": "?"}],
+               [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
+
+
+@pytest.mark.parametrize("template", [ROLES_ONLY, RICH, MISTRAL_LIKE], ids=["roles-only", "rich", "mistral-like"])
+def test_a_chat_without_extra_fields_renders_as_before(template):
+    """Byte for byte what pbkv rendered before the extra fields reached the prompt (73a4128)."""
+    tok = hf_tokenizer(template)
+    for messages in PLAIN_CHATS[:2] if template == MISTRAL_LIKE else PLAIN_CHATS:
+        before = tok.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert tok.render(as_prompt(messages)) == before
+    for messages in PLAIN_CHATS:
+        before = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+        assert render_chat(as_prompt(messages)) == before   # pbkv's own layout (the tiny model)
+
+
+def test_tools_on_a_template_without_a_system_role_go_into_the_first_message():
+    """Mistral's template refuses a system message; the tools were put in a new one (a 500)."""
+    tok = hf_tokenizer(MISTRAL_LIKE)
+    hi = as_prompt([{"role": "user", "content": "hi"}])
+    text = tok.render(hi, TOOLS)
+    assert text == f"[INST] Tools (function definitions, JSON): {json.dumps(TOOLS)}\n\nhi [/INST]"
+    other = [{"type": "function", "function": {"name": "get_weather", "description": "the weather"}}]
+    assert len({tok.render(hi), text, tok.render(hi, other), tok.render(hi, TOOLS + other)}) == 4
+    system = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    assert hf_tokenizer(ROLES_ONLY).render(as_prompt(system), TOOLS).startswith(
+        "<system>sys\n\nTools (function definitions, JSON): [")   # a system message: after its text
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}], "Conversation roles must alternate"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}], "Conversation roles must alternate"),
+    ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c", "content": "42"}],
+     "Only user and assistant roles are supported!"),
+])
+def test_a_chat_the_template_refuses_is_refused(messages, says):
+    with pytest.raises(ChatRefused, match="^the model's chat template refuses this chat: " + says):
+        hf_tokenizer(MISTRAL_LIKE).render(as_prompt(messages), TOOLS)
 
 
 # ---------------------------------------------------------------- end to end
@@ -175,3 +227,43 @@ def test_malformed_tool_calls_are_400s(srv, message, says):
                    json={"model": "tiny", "messages": [{"role": "user", "content": "q"}, message], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.1.tool_calls"), r.text
     assert says in r.json()["error"]["message"]
+
+
+@pytest.fixture
+def mistral(srv, monkeypatch):
+    """`srv` rendering prompts with a Mistral-like template (alternating user/assistant only)."""
+    monkeypatch.setattr(srv.state, "tokenizer", hf_tokenizer(MISTRAL_LIKE))
+    return srv
+
+
+def post(srv, **body):
+    return httpx.post(srv.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "max_tokens": 2, "temperature": 0, "ignore_eos": True} | body)
+
+
+def test_tools_on_a_template_without_a_system_role_are_answered(mistral):
+    """Was a 500 (TemplateError): the tools went into a new system message the template refuses."""
+    hi = [{"role": "user", "content": "hi"}]
+    plain = post(mistral, messages=hi)
+    with_tools = post(mistral, messages=hi, tools=TOOLS)
+    with_functions = post(mistral, messages=hi, functions=[TOOLS[0]["function"]])
+    assert plain.status_code == with_tools.status_code == with_functions.status_code == 200, with_tools.text
+    tokens = plain.json()["usage"]["prompt_tokens"]
+    assert with_tools.json()["usage"]["prompt_tokens"] == with_functions.json()["usage"]["prompt_tokens"] > tokens
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["", "tools"])
+def test_a_chat_the_template_refuses_is_a_400_naming_why(mistral, tools):
+    """Was a 500 (with or without extra fields): the chat does not fit the model's template."""
+    r = post(mistral, messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
+             **({"tools": tools} if tools else {}))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    assert error["message"] == ("the model's chat template refuses this chat: "
+                                "Conversation roles must alternate user/assistant/user/assistant/...")
+
+
+def test_a_wrong_model_is_a_404_before_the_chat_is_rendered(mistral):
+    r = post(mistral, model="gpt-4", messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}])
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text

@@ -31,7 +31,7 @@ from pbkv.serve.gauges import engine_snapshot
 from pbkv.serve.limits import BodyTimeout
 from pbkv.serve.generate import CLIENT_GONE, prepare, respond
 from pbkv.serve.metrics import CONTENT_TYPE, Metrics
-from pbkv.serve.tokenizer import Tokenizer
+from pbkv.serve.tokenizer import ChatRefused, Tokenizer
 from pbkv.serve.worker import EngineWorker
 from pbkv.serve.workflows import Hints
 
@@ -256,10 +256,15 @@ def _completion_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await _parse(request, schemas.ChatRequest)
+        if body.model != state.model_name:   # before rendering: a wrong model is a 404 whatever the chat
+            raise model_not_found(body.model, state.model_name)
         # every field that tells the messages apart reaches the prompt (name, tool calls, tool_call_id),
         # and so do the function definitions (tools / functions): else distinct chats would share KV
         messages = [m.prompt_dict() for m in body.messages]
-        prompt_ids = state.tokenizer.chat(messages, body.prompt_tools())
+        try:
+            prompt_ids = state.tokenizer.chat(messages, body.prompt_tools())
+        except ChatRefused as e:   # the client's chat does not fit the model's template
+            raise bad_request(str(e), "messages", "chat_template_refused") from None
         p = prepare(state, body, prompt_ids, messages[-1]["content"], True, _hints(request, body))
         return await respond(state, request, p)
 

@@ -10,7 +10,8 @@
   prompts (else they would share KV and answers). `render_chat` writes them itself; a chat template
   gets them in the transformers/OpenAI shapes where it renders them (found out once per template
   and field by rendering sentinels), and whatever it would drop is written as text inside the
-  message (`_fold`) or, for `tools`, in a system message.
+  message (`_fold`) or, for `tools`, inside the first message (`_with_tools_text`). A chat without those fields renders exactly as `apply_chat_template(messages)`. A chat the
+  template refuses even with every field as text raises `ChatRefused` (a client error, HTTP 400).
 - `Detokenizer`: feeds generated ids, hands out only text that can no longer change: a trailing
   incomplete UTF-8 sequence and a trailing piece that could still become a stop string are held
   back; when a stop string appears, the text ends right before it.
@@ -39,6 +40,12 @@ def _dumps(value) -> str:
 
 HEAD_FIELDS = ("name", "tool_call_id")                # written before a message's text
 TAIL_FIELDS = ("tool_calls", "tool_call_ids", "function_call")   # written after it
+
+
+class ChatRefused(ValueError):
+    """The model's chat template refuses this chat even with every extra field written as text:
+    the chat itself does not fit the template (e.g. a system message, or roles that do not
+    alternate, for a template that allows neither)."""
 
 
 def render_chat(messages: list[dict], tools: list[dict] | None = None) -> str:
@@ -71,13 +78,16 @@ def _fold(m: dict, fields) -> dict:
 
 
 def _with_tools_text(messages: list[dict], tools: list[dict]) -> list[dict]:
-    """`tools` written into the system message (a new first one if the chat has none)."""
+    """`tools` written as text into the FIRST message: after a system message's text, else before
+    the first message's text. No message is added (a template that refuses a system message, or
+    anything but alternating user/assistant turns, takes the chat as it took it without tools);
+    the JSON tells any two tools lists apart."""
     text = "Tools (function definitions, JSON): " + _dumps(tools)
-    if messages and messages[0]["role"] == "system":
-        first = dict(messages[0])
-        first["content"] = f"{first['content']}\n\n{text}" if first["content"] else text
-        return [first] + messages[1:]
-    return [{"role": "system", "content": text}] + messages
+    first = dict(messages[0])
+    content = first["content"]
+    first["content"] = (text if not content else f"{content}\n\n{text}" if first["role"] == "system"
+                        else f"{text}\n\n{content}")
+    return [first] + messages[1:]
 
 
 def _template_arguments(arguments):
@@ -133,22 +143,36 @@ class HFTokenizer:
         return self.encode(self.render(messages, tools))
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt text: the chat template's, with every field it would drop written as text
-        (`_fold`); `render_chat` for a tokenizer without a template."""
+        """The prompt text: `render_chat` for a tokenizer without a chat template; else the
+        template's, each message given the fields the template renders and the others folded into
+        its text (`_for_template`, decided per message: earlier turns render the same in every later
+        call), `tools` the template does not render in the first message's text. A chat without
+        extra fields is exactly `apply_chat_template(messages, add_generation_prompt=True)`.
+        Should the template still raise, every field goes as text (that call's turns may then render
+        unlike other calls'); should it raise on that too, the chat itself is what it refuses:
+        `ChatRefused` (the template's message)."""
         template = getattr(self.tok, "chat_template", None)
         if not template:
             return render_chat(messages, tools)
-        native, native_tools = [self._for_template(m, template) for m in messages], tools
-        if tools and not self._renders(template, "tools"):
-            native, native_tools = _with_tools_text(native, tools), None
+        native_tools = tools if tools and self._renders(template, "tools") else None
+        native = [self._for_template(m, template) for m in messages]
+        native = _with_tools_text(native, tools) if tools and native_tools is None else native
         try:
             return self._apply(native, native_tools)
-        except Exception:  # noqa: BLE001 - the template refused a field's shape: all of them as text
-            plain = [_fold(m, HEAD_FIELDS + TAIL_FIELDS) for m in messages]
-            plain = _with_tools_text(plain, tools) if tools else plain
-            if plain == native and native_tools is None:
-                raise   # nothing was passed natively: the chat itself is what the template refuses
-            return self._apply(plain, None)
+        except Exception as e:  # noqa: BLE001 - the template (foreign code) refused a field's shape
+            error = e
+        plain = [_fold(m, HEAD_FIELDS + TAIL_FIELDS) for m in messages]
+        plain = _with_tools_text(plain, tools) if tools else plain
+        if plain != native or native_tools is not None:
+            try:
+                return self._apply(plain, None)
+            except Exception as e:  # noqa: BLE001 - sorted out below
+                error = e
+        from jinja2 import TemplateError, TemplateSyntaxError
+        if isinstance(error, TemplateError) and not isinstance(error, TemplateSyntaxError):
+            said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise ChatRefused(f"the model's chat template refuses this chat: {said}") from error
+        raise error   # not the template refusing the chat (a broken template): a server error
 
     def _apply(self, messages: list[dict], tools: list[dict] | None) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
