@@ -85,13 +85,23 @@ RICH = ("{% if tools %}<tools>{{ tools | tojson }}\n{% endif %}{% for m in messa
 REFUSES = ("{% for m in messages %}{% if m.tool_calls or m.name %}{{ raise_exception('unsupported') }}{% endif %}"
            "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
 
+# Llama-3.1's behaviour: an assistant message with tool_calls is the call's JSON, its text dropped;
+# more than one call raises; tool call ids never shown
+LLAMA_LIKE = ("{% for m in messages %}<{{ m.role }}>{% if 'tool_calls' in m %}{% if m.tool_calls | length != 1 %}"
+              "{{ raise_exception('This model only supports single tool-calls at once!') }}{% endif %}"
+              "{{ m.tool_calls[0].function.name }} {{ m.tool_calls[0].function.arguments | tojson }}"
+              "{% else %}{{ m.content }}{% endif %}\n{% endfor %}<assistant>")
 # Mistral-Instruct v0.1/v0.2's: strictly alternating user/assistant turns, no system or tool role
 MISTRAL_LIKE = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
                 "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
                 "{% endif %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]{% elif m.role == 'assistant' %}"
                 "{{ m.content }}</s>{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
                 "{% endif %}{% endfor %}")
-TEMPLATES = {"roles-only": ROLES_ONLY, "rich": RICH, "refuses": REFUSES}
+# writes a message's name / tool_call_id INSTEAD of its text
+NAME_DROPS_TEXT = ("{% for m in messages %}<{{ m.role }}>{% if m.name or m.tool_call_id %}{{ m.name }}"
+                   "{{ m.tool_call_id }}{% else %}{{ m.content }}{% endif %}\n{% endfor %}<assistant>")
+TEMPLATES = {"roles-only": ROLES_ONLY, "rich": RICH, "refuses": REFUSES, "llama-like": LLAMA_LIKE,
+             "name-drops-text": NAME_DROPS_TEXT}
 
 
 @pytest.mark.parametrize("template", TEMPLATES.values(), ids=TEMPLATES.keys())
@@ -123,13 +133,72 @@ def test_a_template_without_those_fields_folds_them_into_the_messages():
     assert hf_tokenizer(ROLES_ONLY).render(plain) == "<user>hi\n<assistant>"   # unchanged without them
 
 
+def chat(text="I will read the file", call_id="c1", fn="read", name=None, answer="r"):
+    assistant = {"role": "assistant", "content": text,
+                 "tool_calls": [{"id": call_id, "type": "function", "function": {"name": fn, "arguments": '{"f": 1}'}}]}
+    tool = {"role": "tool", "tool_call_id": "c1", "content": answer}
+    if name is not None:
+        tool["name"] = name
+    return as_prompt([{"role": "user", "content": "task"}, assistant, tool])
+
+
+@pytest.mark.parametrize("template", TEMPLATES.values(), ids=TEMPLATES.keys())
+def test_the_text_beside_a_rendered_field_still_reaches_the_prompt(template):
+    """A template that writes a tool call (Llama-3.1) or a name instead of the message's text: the
+    field counts as rendered only if the text shows too, else it is folded into the text. Before,
+    chats differing only in the assistant's text, the call id (folded into that dropped text) or
+    a named tool message's text were one prompt."""
+    tok = hf_tokenizer(template)
+    variants = [chat(), chat(text="Delete everything"), chat(call_id="call_other"), chat(name="read"),
+                chat(name="read", answer="other"), chat(name="write")]
+    prompts = [tok.render(m) for m in variants]
+    assert len(set(prompts)) == len(variants), prompts
+
+
+def test_a_template_that_drops_the_text_beside_a_call_gets_the_call_as_text():
+    text = hf_tokenizer(LLAMA_LIKE).render(chat())
+    assert ('<assistant>I will read the file\ntool_calls: [{"id": "c1", "type": "function", "function": '
+            '{"name": "read", "arguments": "{\\"f\\": 1}"}}]<tool>') in text
+
+
+def workflow_calls():
+    """A workflow's successive calls: each call's chat is the previous one plus new turns, one with
+    2 parallel tool calls (a template may refuse those) and named messages."""
+    def call(i, n=1):
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{i}_{k}", "type": "function", "function": {"name": "read", "arguments": f'{{"f": "{i}_{k}"}}'}}
+            for k in range(n)]}
+
+    def res(i, k=0):
+        return {"role": "tool", "tool_call_id": f"c{i}_{k}", "content": f"r{i}_{k}"}
+    turns = [[{"role": "system", "content": "sys"}, {"role": "user", "content": "task", "name": "alice"},
+              call(1), res(1)],
+             [call(2, n=2), res(2, 0), res(2, 1)],
+             [{"role": "assistant", "content": "done?"}, {"role": "user", "content": "more"}, call(3), res(3)],
+             [call(4, n=3), res(4, 0), res(4, 1), res(4, 2)]]
+    return [as_prompt(sum(turns[:i], [])) for i in range(1, len(turns) + 1)]
+
+
+@pytest.mark.parametrize("template", TEMPLATES.values(), ids=TEMPLATES.keys())
+@pytest.mark.parametrize("tools", [None, TOOLS], ids=["", "tools"])
+def test_earlier_turns_render_the_same_in_every_later_call(template, tools):
+    """Each call's prompt (less the assistant's turn) begins every later call's prompt, so the
+    workflow reuses its KV prefix. Before, a message the template refused (Llama-3.1: 2 parallel
+    calls) made the whole chat render as text: call 2 shared 223 of call 1's 409 chars."""
+    tok = hf_tokenizer(template)
+    prompts = [tok.render(m, tools) for m in workflow_calls()]
+    for earlier, later in zip(prompts, prompts[1:]):
+        assert later.startswith(earlier.removesuffix("<assistant>")), (earlier, later)
+
+
 PLAIN_CHATS = [[{"role": "user", "content": "hi"}],
                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                 {"role": "user", "content": "?"}],
                [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]]
 
 
-@pytest.mark.parametrize("template", [ROLES_ONLY, RICH, MISTRAL_LIKE], ids=["roles-only", "rich", "mistral-like"])
+@pytest.mark.parametrize("template", [ROLES_ONLY, RICH, LLAMA_LIKE, MISTRAL_LIKE],
+                         ids=["roles-only", "rich", "llama-like", "mistral-like"])
 def test_a_chat_without_extra_fields_renders_as_before(template):
     """Byte for byte what pbkv rendered before the extra fields reached the prompt (73a4128)."""
     tok = hf_tokenizer(template)

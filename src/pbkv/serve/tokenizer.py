@@ -9,8 +9,12 @@
   definitions). All of them reach the prompt: two chats that differ in any of them are different
   prompts (else they would share KV and answers). `render_chat` writes them itself; a chat template
   gets them in the transformers/OpenAI shapes where it renders them (found out once per template
-  and field by rendering sentinels), and whatever it would drop is written as text inside the
-  message (`_fold`) or, for `tools`, inside the first message (`_with_tools_text`). A chat without those fields renders exactly as `apply_chat_template(messages)`. A chat the
+  and feature by rendering sentinels, the message's own text among them: a template that drops the
+  text beside a field does not render that field), and whatever it would drop is written as text
+  inside the message (`_fold`) or, for `tools`, inside the first message (`_with_tools_text`).
+  What a message is given natively depends on that message alone, never on later ones, so each
+  earlier turn renders the same in every later call of a workflow (its KV prefix is reused). A
+  chat without those fields renders exactly as `apply_chat_template(messages)`. A chat the
   template refuses even with every field as text raises `ChatRefused` (a client error, HTTP 400).
 - `Detokenizer`: feeds generated ids, hands out only text that can no longer change: a trailing
   incomplete UTF-8 sequence and a trailing piece that could still become a stop string are held
@@ -178,7 +182,9 @@ class HFTokenizer:
         return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
 
     def _for_template(self, m: dict, template: str) -> dict:
-        """`m` for the template: the fields it renders in transformers' shapes, the rest folded."""
+        """`m` for the template, decided from `m` alone (never from other messages): each field the
+        template renders for a message like it (a `name` per role; one tool call, or several) in
+        transformers' shapes, the rest folded into its text."""
         fold = ["function_call"]
         if m.get("name") is not None and not self._renders(template, ("name", m["role"])):
             fold.append("name")
@@ -186,7 +192,7 @@ class HFTokenizer:
             fold.append("tool_call_id")
         calls = m.get("tool_calls")
         if calls:
-            if not self._renders(template, "tool_calls"):
+            if not self._renders(template, "tool_calls" if len(calls) == 1 else "tool_calls_multi"):
                 fold.append("tool_calls")
             else:
                 m = dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=_template_arguments(
@@ -208,25 +214,35 @@ class HFTokenizer:
         return self._probed[key]
 
     def _probe(self, feature) -> dict:
-        user = {"role": "user", "content": "hi"}
+        """Renders sentinels: a feature counts as rendered only if its values AND the text of the
+        message carrying it show (a template that writes a call and drops the text beside it would
+        make chats differing in that text one prompt)."""
+        said = PROBE + "said"
+        shows = lambda text, *marks: all(PROBE + k in text for k in marks)  # noqa: E731
+        user = {"role": "user", "content": PROBE + "hi"}
         if feature == "tools":
             fn = {"name": PROBE + "fn", "description": PROBE + "doc",
                   "parameters": {"type": "object", "properties": {PROBE + "arg": {"type": "string"}}}}
-            text = self._apply([user], [{"type": "function", "function": fn}])
-            return {"tools": PROBE + "fn" in text and PROBE + "arg" in text}
+            return {"tools": shows(self._apply([user], [{"type": "function", "function": fn}]), "fn", "arg", "hi")}
+        if feature == "tool_calls_multi":
+            calls = [{"id": PROBE + f"id{i}", "type": "function",
+                      "function": {"name": PROBE + f"fn{i}", "arguments": {"a": PROBE + f"val{i}"}}} for i in (1, 2)]
+            text = self._apply([user, {"role": "assistant", "content": said, "tool_calls": calls}]
+                               + [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls], None)
+            return {feature: shows(text, "fn1", "val1", "fn2", "val2", "said")}
         if feature in ("tool_calls", "tool_call_ids", "tool_call_id", ("name", "tool")):
             call = {"id": PROBE + "callid", "type": "function",
                     "function": {"name": PROBE + "fn", "arguments": {PROBE + "arg": PROBE + "val"}}}
-            text = self._apply([user, {"role": "assistant", "content": "", "tool_calls": [call]},
+            text = self._apply([user, {"role": "assistant", "content": said, "tool_calls": [call]},
                                 {"role": "tool", "tool_call_id": PROBE + "answers", "name": PROBE + "toolname",
-                                 "content": "ok"}], None)
-            return {"tool_calls": PROBE + "fn" in text and PROBE + "val" in text,
-                    "tool_call_ids": PROBE + "callid" in text, "tool_call_id": PROBE + "answers" in text,
-                    ("name", "tool"): PROBE + "toolname" in text}
+                                 "content": PROBE + "result"}], None)
+            return {"tool_calls": shows(text, "fn", "val", "said"), "tool_call_ids": shows(text, "callid"),
+                    "tool_call_id": shows(text, "answers", "result"),
+                    ("name", "tool"): shows(text, "toolname", "result")}
         role = feature[1]
-        probed = {"role": role, "content": "x", "name": PROBE + "name"}
+        probed = {"role": role, "content": said, "name": PROBE + "name"}
         chat = [probed, user] if role in ("system", "developer") else [user, probed] if role != "user" else [probed]
-        return {feature: PROBE + "name" in self._apply(chat, None)}
+        return {feature: shows(self._apply(chat, None), "name", "said")}
 
 
 def tokenizer_for(hf_tokenizer, vocab_size: int) -> Tokenizer:
