@@ -506,5 +506,10 @@ def test_past_its_bound_the_ingress_forgets_the_workflow_idle_longest(monkeypatc
     for wid, replica in [("w1", "a"), ("w2", "a"), ("w3", "b"), ("w1", "b"), ("w4", "a")]:
         flow = worker._open(Job([1], Sampling(max_new_tokens=1), Hints(wid)))
         worker._placed_on(flow, replica, done=False)
+        worker._close(flow, wid)                  # the call finished: the flow is idle
     got = {wid: flow.replicas for wid, flow in worker.visited.items()}
     assert got == {"w3": {"b"}, "w1": {"a", "b"}, "w4": {"a"}}   # w2 idle longest; w1 called again
+    busy = worker._open(Job([1], Sampling(max_new_tokens=1), Hints("w5")))   # in flight: never forgotten
+    for wid in ("w6", "w7", "w8"):
+        worker._close(worker._open(Job([1], Sampling(max_new_tokens=1), Hints(wid))), wid)
+    assert worker.visited.get("w5") is busy and len(worker.visited) == 3

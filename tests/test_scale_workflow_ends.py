@@ -74,6 +74,7 @@ async def _answered(job, task) -> None:
     while not isinstance(await job.events.get(), Done):
         pass
     await task
+    await asyncio.sleep(0)   # the task's done callbacks (the worker's bookkeeping) run on the next turn
 
 
 def test_a_workflow_done_that_finishes_first_still_ends_the_run_of_a_call_running_elsewhere():
@@ -114,7 +115,7 @@ def test_an_ended_workflows_call_placed_after_the_end_still_ends_where_it_ran():
     async def main():
         job, task = _submit(worker, handle)
         call = await _next_call(handle, 1)
-        assert await worker.end_workflow("w") is False  # no replica has a run of w yet
+        assert await worker.end_workflow("w") is True   # its call waits in Ray: its run ends after it
         call.events.put_nowait({"replica": "b"})
         handle.b.workflows.add("w")                    # the call starts b's run
         call.events.put_nowait(Done("stop", 40, 4))
@@ -231,3 +232,50 @@ def test_a_plain_answers_time_to_first_token_is_when_its_first_piece_came(monkey
     got = parse(state.metrics.exposition().decode())
     assert got["pbkv_request_latency_seconds_sum"] == pytest.approx(10.0)
     assert got["pbkv_time_to_first_token_seconds_sum"] == pytest.approx(1.0)   # was 10.0
+
+
+def test_a_new_run_of_the_same_id_is_not_ended_by_the_old_runs_last_call():
+    """The endpoint ended w while a call of it ran on a; a new call of w then started a new run
+    on b (as in one process). When a's call finished, the end broadcast by id cut b's new run."""
+    handle = Replicas()
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        old, old_task = _submit(worker, handle)
+        c1 = await _next_call(handle, 1)
+        c1.events.put_nowait({"replica": "a"})
+        handle.a.workflows.add("w")
+        c1.events.put_nowait("x")
+        assert await old.events.get() == "x"
+        assert await worker.end_workflow("w") is True
+        new, new_task = _submit(worker, handle)
+        c2 = await _next_call(handle, 2)
+        c2.events.put_nowait({"replica": "b"})
+        handle.b.workflows.add("w")
+        c2.events.put_nowait(Done("stop", 40, 4))
+        await _answered(new, new_task)
+        c1.events.put_nowait(Done("stop", 40, 4))
+        await _answered(old, old_task)
+        await asyncio.gather(*worker._background)
+        assert "w" in handle.b.workflows    # the new run stays open, waiting for its next call
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_an_end_before_the_calls_task_first_runs_still_ends_the_run_it_starts():
+    """submit() counted the call but opened its flow only at the task's first step: an end
+    handled in between found nothing to mark, and the run the call then started never ended."""
+    handle = Replicas()
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        job, task = _submit(worker, handle)
+        end = worker.end_workflow("w")          # before the call's task ran at all
+        call = await _next_call(handle, 1)
+        assert await end is True
+        call.events.put_nowait({"replica": "b"})
+        handle.b.workflows.add("w")
+        call.events.put_nowait(Done("stop", 40, 4))
+        await _answered(job, task)
+        await asyncio.gather(*worker._background)
+        assert "w" not in handle.b.workflows
+    asyncio.run(asyncio.wait_for(main(), 10))

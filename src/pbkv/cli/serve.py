@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from pathlib import Path
@@ -172,8 +173,9 @@ def serve(
     try:
         check_port(host, port)       # before Ray and the replicas start (tens of seconds), not after
     except OSError as e:
-        fail(f"cannot bind {host}:{port} ({e.strerror or e}): another server may be using it; "
-             f"choose another --port", code=PORT_TAKEN)
+        why = ("another server may be using it; choose another --port" if e.errno == errno.EADDRINUSE
+               else "check --host: it must be an address of this machine")   # unknown name, foreign address
+        fail(f"cannot bind {host}:{port} ({e.strerror or e}): {why}", code=PORT_TAKEN)
     if ray_address is not None:
         with exit_on_error():
             check_reachable(ray_address)   # Ray would retry an unreachable address for minutes

@@ -28,8 +28,12 @@ only replica was the one that ran the `workflow_done` call and no other call of 
 flight then (that replica's run already ended: nothing to do). So a call still running, or still
 waiting to be placed, when the workflow ended no longer leaves a run open on another replica
 until the idle timeout (cut short at shutdown: never recorded nor learned from). Not exact where
-a new run of the same id reaches a replica before the old run's end does: the replica, which
-knows only the id, counts both calls in one run.
+a new run of the same id starts before the old run's last call finished: replicas know runs only
+by id, so that end would cut the new run; it is not sent, and the old run's part on another
+replica ends by idle timeout (a new call of the id that reaches it joins that part instead).
+A call's flow is opened when it is submitted and closed when its task ends (cancelled before it
+ran included), so an end that comes in between sees the call. `visited` forgets, past its bound,
+only flows with no call in flight.
 
 Broadcasts (`broadcast`, also /metrics'): Ray Serve's `handle.broadcast(m).results_async(...)` is
 all or nothing (one frozen replica times the whole call out; with no replica running it raises
@@ -170,14 +174,17 @@ class RemoteWorker:
     def submit(self, job: Job) -> Job:
         job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
         self.in_flight += 1
-        task = asyncio.create_task(self._pump(job))
+        flow = self._open(job)   # at once, not in the task: an end that comes before it runs must see the call
+        task = asyncio.create_task(self._serve(job, flow))
         self.tasks[id(job)] = task
-        task.add_done_callback(lambda _: self._ended(job))
+        task.add_done_callback(lambda _: self._ended(job, flow))   # also when cancelled before it ran
         return job
 
-    def _ended(self, job: Job) -> None:
+    def _ended(self, job: Job, flow: Flow | None) -> None:
         self.in_flight -= 1
         self.tasks.pop(id(job), None)
+        if flow is not None:
+            self._close(flow, job.hints.workflow_id)
 
     def check_ready(self) -> None:
         """Raises 503 `replicas_unavailable` while no replica runs (as /health says then)."""
@@ -191,19 +198,22 @@ class RemoteWorker:
             task.cancel()
 
     def end_workflow(self, workflow_id: str) -> asyncio.Future:
-        """Resolves to whether any replica that answered had a run of `workflow_id` (and ended it);
-        raises `replicas_unavailable()` when none answered."""
+        """Resolves to whether the workflow had a run: a call of it still in flight here (queued
+        in Ray or running; its run ends after it, as in one process) or a replica that answered
+        had one (and ended it); raises `replicas_unavailable()` when none answered and no call
+        of it is in flight."""
         flow = self.visited.pop(workflow_id, None)
         if flow is not None:
             flow.ending = True   # its calls in flight: ended again where they ran once they finish
         workflow_ended(getattr(self.handle, "app_name", None), workflow_id)   # this process's routers
-        return asyncio.ensure_future(self._end_everywhere(workflow_id))
+        live = flow is not None and flow.in_flight > 0
+        return asyncio.ensure_future(self._end_everywhere(workflow_id, live))
 
-    async def _end_everywhere(self, workflow_id: str) -> bool:
+    async def _end_everywhere(self, workflow_id: str, live: bool = False) -> bool:
         answers = await self._broadcast_end(workflow_id)
-        if not answers:
+        if not answers and not live:
             raise replicas_unavailable()
-        return any(a is True for a in answers)
+        return live or any(a is True for a in answers)
 
     async def _broadcast_end(self, workflow_id: str) -> list:
         """The answers of the replicas that answered in time (never raises: see `broadcast`)."""
@@ -234,8 +244,16 @@ class RemoteWorker:
         else:
             self.visited[workflow_id] = flow
             if len(self.visited) > MAX_VISITED:
-                del self.visited[next(iter(self.visited))]
+                self._forget_one()
         return flow
+
+    def _forget_one(self) -> None:
+        """Past MAX_VISITED: forget the flow idle longest with no call in flight (one with a call
+        in flight must stay: its end would not reach the replica running that call). None idle:
+        keep them all (then `visited` is bounded by the calls in flight)."""
+        idle = next((w for w, f in self.visited.items() if f.in_flight == 0), None)
+        if idle is not None:
+            del self.visited[idle]
 
     @staticmethod
     def _placed_on(flow: Flow, replica: str, done: bool) -> None:
@@ -248,18 +266,14 @@ class RemoteWorker:
 
     def _close(self, flow: Flow, workflow_id: str) -> None:
         """A call of `flow` finished (answered, failed or cancelled). When it was the last call in
-        flight of an ended run, the run ends on the replicas its calls ran on (module docstring)."""
+        flight of an ended run, the run ends on the replicas its calls ran on (module docstring),
+        unless a new run of the same id has started here since: the end, by id, would end that
+        one on its replica (the old run's part elsewhere then ends by idle timeout)."""
         flow.in_flight -= 1
-        if flow.ending and flow.in_flight == 0 and (flow.shared or not flow.replicas <= {flow.done_on}):
+        newer = self.visited.get(workflow_id) not in (None, flow)
+        if flow.ending and flow.in_flight == 0 and not newer and (
+                flow.shared or not flow.replicas <= {flow.done_on}):
             self._end_elsewhere(workflow_id)
-
-    async def _pump(self, job: Job) -> None:
-        flow = self._open(job)
-        try:
-            await self._serve(job, flow)
-        finally:
-            if flow is not None:
-                self._close(flow, job.hints.workflow_id)
 
     async def _serve(self, job: Job, flow: Flow | None) -> None:
         route, retries = self.route(job), 0
