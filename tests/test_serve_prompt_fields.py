@@ -234,6 +234,90 @@ def test_a_chat_the_template_refuses_is_refused(messages, says):
         hf_tokenizer(MISTRAL_LIKE).render(as_prompt(messages), TOOLS)
 
 
+# Mistral-7B-Instruct-v0.3's behaviour: call ids must be 9 alphanumerics (else it raises), a tool
+# message must carry its tool_call_id, an assistant message with tool_calls drops its text
+NINE = "{% if not {0} is defined or {0}|length != 9 or not {0}.isalnum() %}" \
+       "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+MISTRAL_V03_LIKE = ("{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
+                    "{% elif m.tool_calls is defined %}[TOOL_CALLS] {% for c in m.tool_calls %}"
+                    + NINE.replace("{0}", "c.id") + "{{ c.function | tojson }} {{ c.id }}{% endfor %}</s>"
+                    "{% elif m.role == 'assistant' %} {{ m.content }}</s>{% elif m.role == 'tool' %}"
+                    + NINE.replace("{0}", "m.tool_call_id") +
+                    "[TOOL_RESULTS] {{ m.content }} {{ m.tool_call_id }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+# requires a tool message's tool_call_id but never writes it
+REQUIRES_ID = ("{% for m in messages %}{% if m.role == 'tool' and m.tool_call_id is not defined %}"
+               "{{ raise_exception('a tool message needs its tool_call_id') }}{% endif %}"
+               "<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>")
+
+
+def test_a_template_strict_about_call_ids_renders_real_ones_natively():
+    """Mistral v0.3: the probes' ids (`pbkv_probe_5e1callid`) made it raise, so tool_calls and
+    tool_call_id counted as not rendered and were folded; the tool message then lacked the
+    tool_call_id the template requires: every chat with a tool result was refused (400)."""
+    tok = hf_tokenizer(MISTRAL_V03_LIKE)
+    base = conv(call_id="abc123XYZ", answers="abc123XYZ")
+    text = tok.render(as_prompt(base))
+    direct = [dict(m) for m in base]
+    direct[1] = dict(direct[1], content="", tool_calls=[dict(direct[1]["tool_calls"][0], function={
+        "name": "get_weather", "arguments": {"city": "Paris"}})])
+    assert text == tok.tok.apply_chat_template(direct, add_generation_prompt=True, tokenize=False)   # all native
+    variants = [base, conv(call_id="abc123XYW", answers="abc123XYZ"), conv(call_id="abc123XYZ", answers="zzz123XYZ"),
+                conv(fn="delete_all", call_id="abc123XYZ", answers="abc123XYZ"),
+                conv(args='{"city": "Rome"}', call_id="abc123XYZ", answers="abc123XYZ")]
+    said = [dict(m) for m in base]
+    said[1] = dict(said[1], content="I will look it up")   # the template drops it: the call goes as text
+    prompts = [tok.render(as_prompt(m)) for m in variants + [said]]
+    assert len(set(prompts)) == len(prompts), prompts
+    assert "I will look it up" in prompts[-1]
+
+
+def test_a_field_the_template_requires_is_kept_natively_beside_its_text():
+    """A template that requires a tool message's tool_call_id but does not write it: folded (as
+    text only) the template raised, and the chat was refused. Now it is given both ways."""
+    tok = hf_tokenizer(REQUIRES_ID)
+    prompts = [tok.render(as_prompt(conv(answers=a))) for a in ("call_1", "call_9")]
+    assert prompts[0] != prompts[1] and 'tool_call_id: "call_9"' in prompts[1]
+    calls = [tok.render(m) for m in workflow_calls()]
+    for earlier, later in zip(calls, calls[1:]):
+        assert later.startswith(earlier.removesuffix("<assistant>"))
+
+
+def dict_template_tokenizer() -> HFTokenizer:
+    tok = hf_tokenizer(ROLES_ONLY)
+    tok.tok.chat_template = {"default": ROLES_ONLY, "tool_use": RICH}   # as a folder with additional_chat_templates/
+    return tok
+
+
+def test_a_tokenizer_with_several_templates_renders_with_the_one_transformers_picks():
+    """`tokenizer.chat_template` a dict (Hermes-2-Pro, Command-R): the probe cache's key
+    (template, feature) was unhashable: any chat with tools or a name was a TypeError (500). The
+    template is now the one apply_chat_template picks (`tool_use` with tools, else `default`),
+    probed and rendered as that one."""
+    tok = dict_template_tokenizer()
+    named = as_prompt([{"role": "user", "content": "hi", "name": "alice"}])
+    assert tok.render(named) == '<user>name: "alice"\nhi\n<assistant>'            # default: name folded
+    assert tok.render(named, TOOLS) == f"<tools>{json.dumps(TOOLS)}\n<user alice>hi<assistant>"   # tool_use
+    for messages in PLAIN_CHATS:
+        for tools in (None, TOOLS):
+            assert tok.render(as_prompt(messages), tools) == tok.tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    prompts = {k: tok.render(as_prompt(m), tools) for k, (m, tools) in VARIANTS.items()}
+    assert len(set(prompts.values())) == len(VARIANTS)
+
+
+UNDEFINED_BOS = "{{ bos_token + '' }}" + ROLES_ONLY   # a tokenizer without a BOS token (Llama-2's templates)
+
+
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": "hi"}], conv()], ids=["plain", "fields"])
+def test_a_template_broken_on_the_server_side_is_not_the_clients_fault(messages):
+    """Was ChatRefused (400 chat_template_refused) for every chat: only the template's own
+    `raise_exception` (a bare jinja2 TemplateError) refuses a chat; an undefined variable is a
+    server error."""
+    from jinja2 import UndefinedError
+    with pytest.raises(UndefinedError):
+        hf_tokenizer(UNDEFINED_BOS).render(as_prompt(messages))
+
+
 # ---------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="module")
@@ -336,3 +420,25 @@ def test_a_chat_the_template_refuses_is_a_400_naming_why(mistral, tools):
 def test_a_wrong_model_is_a_404_before_the_chat_is_rendered(mistral):
     r = post(mistral, model="gpt-4", messages=[{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}])
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+
+def test_a_template_broken_on_the_server_side_is_a_500_logged_once(srv, monkeypatch):
+    """Was a 400 chat_template_refused. And an unexpected error was logged twice: by the app's
+    handler and by uvicorn ("Exception in ASGI application", Starlette re-raises it)."""
+    import logging
+    monkeypatch.setattr(srv.state, "tokenizer", hf_tokenizer(UNDEFINED_BOS))
+    records = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn.error"), logging.getLogger("uvicorn")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        r = post(srv, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert r.status_code == 500, r.text
+    assert r.json()["error"]["code"] == "internal_error" and "UndefinedError" in r.json()["error"]["message"]
+    tracebacks = {id(rec): rec for rec in records if rec.exc_info and "bos_token" in str(rec.exc_info[1])}
+    assert len(tracebacks) == 1, [rec.getMessage() for rec in records]

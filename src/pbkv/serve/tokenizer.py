@@ -105,6 +105,8 @@ def _template_arguments(arguments):
 
 
 PROBE = "pbkv_probe_5e1"   # sentinels: a field is rendered when its sentinel shows in the text
+# call ids shaped like real ones (Mistral v0.3's template raises unless an id is 9 alphanumerics)
+IDS = {"callid": "Pb7Kq2Zx9", "answers": "Pb4Wm8Rt3", "id1": "Pb5Jn6Hc1", "id2": "Pb5Jn6Hc2"}
 
 
 class ByteTokenizer:
@@ -152,39 +154,63 @@ class HFTokenizer:
         its text (`_for_template`, decided per message: earlier turns render the same in every later
         call), `tools` the template does not render in the first message's text. A chat without
         extra fields is exactly `apply_chat_template(messages, add_generation_prompt=True)`.
-        Should the template still raise, every field goes as text (that call's turns may then render
-        unlike other calls'); should it raise on that too, the chat itself is what it refuses:
-        `ChatRefused` (the template's message)."""
-        template = getattr(self.tok, "chat_template", None)
-        if not template:
+        The template is the one transformers would pick for this call (`_template`: a tokenizer
+        with several, e.g. `default` and `tool_use`, picks by whether `tools` is given); probes and
+        render both use it. Should the template still raise, a message's folded `name` /
+        `tool_call_id` are also given natively (a template may require them, e.g. Mistral v0.3 a
+        tool message's `tool_call_id`), then every field goes as text only (that call's turns may
+        then render unlike other calls'); should it raise on that too with the template's own
+        `raise_exception`, the chat itself is what it refuses: `ChatRefused` (the template's
+        message). Any other error (an undefined variable such as a missing `bos_token`, a syntax
+        error) is the server's template being broken and propagates (HTTP 500)."""
+        if not getattr(self.tok, "chat_template", None):
             return render_chat(messages, tools)
+        template = self._template(tools)
         native_tools = tools if tools and self._renders(template, "tools") else None
-        native = [self._for_template(m, template) for m in messages]
-        native = _with_tools_text(native, tools) if tools and native_tools is None else native
-        try:
-            return self._apply(native, native_tools)
-        except Exception as e:  # noqa: BLE001 - the template (foreign code) refused a field's shape
-            error = e
+        tries = []
+        for keep in (False, True):
+            chat = [self._for_template(m, template, keep) for m in messages]
+            tries.append((_with_tools_text(chat, tools) if tools and native_tools is None else chat, native_tools))
         plain = [_fold(m, HEAD_FIELDS + TAIL_FIELDS) for m in messages]
-        plain = _with_tools_text(plain, tools) if tools else plain
-        if plain != native or native_tools is not None:
+        tries.append((_with_tools_text(plain, tools) if tools else plain, None))
+        error, tried = None, []
+        for chat, chat_tools in tries:
+            if (chat, chat_tools) in tried:
+                continue
+            tried.append((chat, chat_tools))
             try:
-                return self._apply(plain, None)
-            except Exception as e:  # noqa: BLE001 - sorted out below
+                return self._apply(chat, chat_tools, template)
+            except Exception as e:  # noqa: BLE001 - the template (foreign code) refused a field's shape
                 error = e
-        from jinja2 import TemplateError, TemplateSyntaxError
-        if isinstance(error, TemplateError) and not isinstance(error, TemplateSyntaxError):
+        from jinja2 import TemplateError
+        if type(error) is TemplateError:   # exactly what transformers' `raise_exception` raises
             said = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise ChatRefused(f"the model's chat template refuses this chat: {said}") from error
         raise error   # not the template refusing the chat (a broken template): a server error
 
-    def _apply(self, messages: list[dict], tools: list[dict] | None) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    def _template(self, tools: list[dict] | None) -> str:
+        """The template string `apply_chat_template(..., tools=tools)` would use (a tokenizer may
+        hold several by name: `tool_use` when tools are given, else `default`)."""
+        get = getattr(self.tok, "get_chat_template", None)
+        if get is not None:
+            return get(None, tools)
+        template = self.tok.chat_template
+        if isinstance(template, dict):
+            name = "tool_use" if tools is not None and "tool_use" in template else "default"
+            if name not in template:
+                raise ValueError(f"the tokenizer has several chat templates and no default: {sorted(template)}")
+            return template[name]
+        return template
 
-    def _for_template(self, m: dict, template: str) -> dict:
+    def _apply(self, messages: list[dict], tools: list[dict] | None, template: str) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, chat_template=template,
+                                            add_generation_prompt=True, tokenize=False)
+
+    def _for_template(self, m: dict, template: str, keep: bool = False) -> dict:
         """`m` for the template, decided from `m` alone (never from other messages): each field the
         template renders for a message like it (a `name` per role; one tool call, or several) in
-        transformers' shapes, the rest folded into its text."""
+        transformers' shapes, the rest folded into its text; with `keep`, a folded `name` /
+        `tool_call_id` is given natively as well (for a template that requires it)."""
         fold = ["function_call"]
         if m.get("name") is not None and not self._renders(template, ("name", m["role"])):
             fold.append("name")
@@ -192,7 +218,12 @@ class HFTokenizer:
             fold.append("tool_call_id")
         calls = m.get("tool_calls")
         if calls:
-            if not self._renders(template, "tool_calls" if len(calls) == 1 else "tool_calls_multi"):
+            feature = "tool_calls" if len(calls) == 1 else "tool_calls_multi"
+            # a template that drops the text beside a call (Mistral v0.3, Llama-3.1) still gets the
+            # call natively when the message has no text and nothing else would be folded into it
+            bare = (not m["content"] and not [k for k in fold if m.get(k) is not None]
+                    and self._renders(template, feature + "_bare") and self._renders(template, "tool_call_ids"))
+            if not bare and not self._renders(template, feature):
                 fold.append("tool_calls")
             else:
                 m = dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=_template_arguments(
@@ -200,49 +231,57 @@ class HFTokenizer:
                 if not self._renders(template, "tool_call_ids"):
                     m["tool_call_ids"] = [c["id"] for c in calls]
                     fold.append("tool_call_ids")
-        return _fold(m, fold)
+        out = _fold(m, fold)
+        if keep:
+            out.update({k: m[k] for k in HEAD_FIELDS if k in fold and k in m})
+        return out
 
     def _renders(self, template: str, feature) -> bool:
         """Whether `template` renders `feature` (a field, or ("name", role)): once per template."""
         key = (template, feature)
         if key not in self._probed:
             try:
-                self._probed.update({(template, f): ok for f, ok in self._probe(feature).items()})
+                self._probed.update({(template, f): ok for f, ok in self._probe(template, feature).items()})
             except Exception:  # noqa: BLE001 - a template that cannot render the field does not render it
                 self._probed[key] = False
             self._probed.setdefault(key, False)
         return self._probed[key]
 
-    def _probe(self, feature) -> dict:
+    def _probe(self, template: str, feature) -> dict:
         """Renders sentinels: a feature counts as rendered only if its values AND the text of the
         message carrying it show (a template that writes a call and drops the text beside it would
-        make chats differing in that text one prompt)."""
+        make chats differing in that text one prompt). The sentinels are shaped like real values
+        (names plain identifiers, call ids 9 alphanumerics, the call's and the answered one
+        distinct), so a strict template (Mistral v0.3 raises on any other id) renders them."""
         said = PROBE + "said"
-        shows = lambda text, *marks: all(PROBE + k in text for k in marks)  # noqa: E731
+        shows = lambda text, *marks: all(IDS.get(k, PROBE + k) in text for k in marks)  # noqa: E731
+        apply = lambda chat, tools=None: self._apply(chat, tools, template)  # noqa: E731
         user = {"role": "user", "content": PROBE + "hi"}
         if feature == "tools":
             fn = {"name": PROBE + "fn", "description": PROBE + "doc",
                   "parameters": {"type": "object", "properties": {PROBE + "arg": {"type": "string"}}}}
-            return {"tools": shows(self._apply([user], [{"type": "function", "function": fn}]), "fn", "arg", "hi")}
-        if feature == "tool_calls_multi":
-            calls = [{"id": PROBE + f"id{i}", "type": "function",
+            return {"tools": shows(apply([user], [{"type": "function", "function": fn}]), "fn", "arg", "hi")}
+        if feature in ("tool_calls_multi", "tool_calls_multi_bare"):
+            calls = [{"id": IDS[f"id{i}"], "type": "function",
                       "function": {"name": PROBE + f"fn{i}", "arguments": {"a": PROBE + f"val{i}"}}} for i in (1, 2)]
-            text = self._apply([user, {"role": "assistant", "content": said, "tool_calls": calls}]
-                               + [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls], None)
-            return {feature: shows(text, "fn1", "val1", "fn2", "val2", "said")}
-        if feature in ("tool_calls", "tool_call_ids", "tool_call_id", ("name", "tool")):
-            call = {"id": PROBE + "callid", "type": "function",
+            text = apply([user, {"role": "assistant", "content": said, "tool_calls": calls}]
+                         + [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls])
+            return {"tool_calls_multi": shows(text, "fn1", "val1", "fn2", "val2", "said"),
+                    "tool_calls_multi_bare": shows(text, "fn1", "val1", "fn2", "val2")}
+        if feature in ("tool_calls", "tool_calls_bare", "tool_call_ids", "tool_call_id", ("name", "tool")):
+            call = {"id": IDS["callid"], "type": "function",
                     "function": {"name": PROBE + "fn", "arguments": {PROBE + "arg": PROBE + "val"}}}
-            text = self._apply([user, {"role": "assistant", "content": said, "tool_calls": [call]},
-                                {"role": "tool", "tool_call_id": PROBE + "answers", "name": PROBE + "toolname",
-                                 "content": PROBE + "result"}], None)
-            return {"tool_calls": shows(text, "fn", "val", "said"), "tool_call_ids": shows(text, "callid"),
+            text = apply([user, {"role": "assistant", "content": said, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": IDS["answers"], "name": PROBE + "toolname",
+                           "content": PROBE + "result"}])
+            return {"tool_calls": shows(text, "fn", "val", "said"), "tool_calls_bare": shows(text, "fn", "val"),
+                    "tool_call_ids": shows(text, "callid"),
                     "tool_call_id": shows(text, "answers", "result"),
                     ("name", "tool"): shows(text, "toolname", "result")}
         role = feature[1]
         probed = {"role": role, "content": said, "name": PROBE + "name"}
         chat = [probed, user] if role in ("system", "developer") else [user, probed] if role != "user" else [probed]
-        return {feature: shows(self._apply(chat, None), "name", "said")}
+        return {feature: shows(apply(chat), "name", "said")}
 
 
 def tokenizer_for(hf_tokenizer, vocab_size: int) -> Tokenizer:
