@@ -87,6 +87,37 @@ class CountRequests:
             self.metrics.requests.labels(endpoint=path, status=str(status[0])).inc()
 
 
+class Unhandled:
+    """Pure ASGI middleware: an unexpected error (a server bug, e.g. a chat template broken on the
+    server's side) is logged once with its traceback and answered 500 `internal_error` (OpenAI
+    shape), and ends here. Left to Starlette's exception handler it was logged twice: by the
+    handler, and by uvicorn ("Exception in ASGI application"), which Starlette re-raises it to."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_started(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as exc:  # noqa: BLE001 - every unexpected error: one log line, one 500
+            log.exception("unhandled error on %s", scope.get("path", ""))
+            if not started:
+                await _internal_error(exc)(scope, receive, send)
+
+
+def _internal_error(exc: Exception) -> JSONResponse:
+    return JSONResponse(error_body(f"Internal server error ({type(exc).__name__}).", "server_error", None,
+                                   "internal_error"), status_code=500)
+
+
 class AnswerCancelled:
     """Pure ASGI middleware: a request cancelled before its answer started gets a 503
     `server_shutting_down` (OpenAI shape), not uvicorn's plain-text 500.
@@ -157,6 +188,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state
     app.add_middleware(BodyTimeout, seconds=state.config.body_timeout)
+    app.add_middleware(Unhandled)
     app.add_middleware(AnswerCancelled)   # outside BodyTimeout: a request still sending its body is answered too
     app.add_middleware(CountRequests, metrics=state.metrics)   # added last: outermost, counts the 408s and 503s too
     _error_handlers(app)
@@ -187,9 +219,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"Internal server error ({type(exc).__name__}).", "server_error", None,
-                                       "internal_error"), status_code=500)
+        log.exception("unhandled error on %s", request.url.path)   # one `Unhandled` did not catch
+        return _internal_error(exc)
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:
