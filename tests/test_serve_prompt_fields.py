@@ -430,7 +430,9 @@ def test_a_template_broken_on_the_server_side_is_a_500_logged_once(srv, monkeypa
     records = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = records.append
-    loggers = [logging.getLogger(), logging.getLogger("uvicorn.error"), logging.getLogger("uvicorn")]
+    # "pbkv" too: a server run earlier in the session may have set it not to propagate (server.py)
+    loggers = [logging.getLogger(), logging.getLogger("pbkv"), logging.getLogger("uvicorn.error"),
+               logging.getLogger("uvicorn")]
     for logger in loggers:
         logger.addHandler(handler)
     try:
