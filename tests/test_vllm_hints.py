@@ -56,3 +56,12 @@ def test_workflow_done_counts_only_as_a_boolean():
 def test_anything_but_an_object_is_an_unhinted_call(params):
     h = parse_hints(params)
     assert (h.workflow_id, h.agent, h.done) == (None, DEFAULT_AGENT, True)
+
+
+@pytest.mark.parametrize("params", [{"workflow_done": False}, {"workflow_id": LONG, "workflow_done": False},
+                                    {"workflow_id": "   ", "workflow_done": False},
+                                    {"workflow_id": True, "workflow_done": False}],
+                         ids=["no id", "long id", "blank id", "boolean id"])
+def test_workflow_done_false_without_a_usable_id_still_ends_the_call(params):
+    # a one-call workflow nothing else could ever end: its state would grow per request
+    assert parse_hints(params) == Hints(None, DEFAULT_AGENT, True)

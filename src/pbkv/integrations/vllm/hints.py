@@ -4,7 +4,9 @@
 
 All fields are optional. A request without `workflow_id` is a workflow of its own that ends
 with the request (as in `pbkv serve`), so unhinted traffic behaves like plain vLLM plus a
-retired-first cache. `workflow_done: true` ends the workflow when this request finishes.
+retired-first cache. `workflow_done: true` ends the workflow when this request finishes; without a usable
+`workflow_id` (absent, or ignored as below) `workflow_done` is ignored too and the request always
+ends its own one-call workflow.
 
 Hints only steer the cache, so a malformed field is ignored rather than failing the request, and
 `parse_hints` never raises on anything a JSON client can send. `workflow_id` and `agent` are
@@ -58,5 +60,7 @@ def parse_hints(params) -> Hints:
     wf = hint_label(params.get("workflow_id"))
     agent = hint_label(params.get("agent")) or DEFAULT_AGENT
     done = params.get("workflow_done")
-    done = done if isinstance(done, bool) else wf is None
+    # without a usable id the call is a workflow of its own that ends with it: `workflow_done`
+    # cannot keep it running (nothing could ever end it; its state would grow per request)
+    done = True if wf is None else done if isinstance(done, bool) else False
     return Hints(wf, agent, done)
