@@ -139,3 +139,57 @@ def test_new_blocks_never_evict_their_own_prefix():
     sh.allocated("b", 8, 0)
     sh.build([("b", [100, 101, 102, 103], True, 13)])
     sh.cache.check()
+
+
+def test_store_counts_each_load_by_the_tier_its_kv_came_from(tmp_path):
+    """A disk hit is planned as a ("host", key) move (file -> RAM) then a load from RAM: the load
+    counts as a disk load, as the shadow counts it in disk_hit_tokens (not as a RAM load)."""
+    sh = Shadow(BS, Capacities(8, 8, 64))
+    st = BlockStore(tmp_path)
+    st.register(paged(num_blocks=110), 110)
+
+    def step(plan):
+        st.before_forward(plan)
+        st.after_forward(plan)
+
+    for rid, keys in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6])):
+        step(run_request(sh, rid, keys, 9)[1])
+        sh.finished(rid)
+    step(sh.build([]))
+    ext, plan = run_request(sh, "d", [1, 2, 7], 13)   # 1, 2 come back from disk
+    assert ("host", 1) in plan.moves and [k for k, _ in plan.loads] == [1, 2]
+    step(plan)
+    sh.finished("d")
+    ext, plan = run_request(sh, "e", [5, 6, 8], 13)   # 5, 6 from RAM
+    step(plan)
+    s = sh.stats
+    assert s.disk_hit_tokens == 8 and s.host_hit_tokens == 8, s
+    assert st.stats.loaded_disk_blocks * BS == s.disk_hit_tokens, st.stats
+    assert st.stats.loaded_ram_blocks * BS == s.host_hit_tokens, st.stats
+    assert st.stats.missing == st.stats.corrupt == st.stats.load_failed == 0
+
+
+def test_store_a_promotion_counts_only_for_its_own_steps_first_load(tmp_path):
+    from pbkv.integrations.vllm.plan import Plan
+    st = BlockStore(tmp_path)
+    st.register(paged(), 6)
+    st.save(7, 2)
+    st.move("disk", 7)
+    st.before_forward(Plan(moves=[("host", 7)], loads=[(7, 0), (7, 1)]))
+    assert (st.stats.loaded_disk_blocks, st.stats.loaded_ram_blocks) == (1, 1)
+    st.before_forward(Plan(loads=[(7, 3)]))    # a later step: the block is in RAM now
+    assert (st.stats.loaded_disk_blocks, st.stats.loaded_ram_blocks) == (1, 2)
+    st.save(8, 2)
+    st.move("disk", 8)
+    st.before_forward(Plan(moves=[("host", 8)]))   # promoted without a load (a prefix vLLM holds)
+    st.before_forward(Plan(loads=[(8, 0)]))
+    assert (st.stats.loaded_disk_blocks, st.stats.loaded_ram_blocks) == (1, 3)
+
+
+def test_store_a_missing_block_is_missing_not_corrupt(tmp_path):
+    from pbkv.integrations.vllm.plan import Plan
+    st = BlockStore(tmp_path)
+    st.register(paged(), 6)
+    st.before_forward(Plan(moves=[("host", 11)], loads=[(12, 3)]))   # never written
+    assert (st.stats.missing, st.stats.corrupt, st.stats.load_failed) == (2, 0, 1)
+    assert st.failed == {3}

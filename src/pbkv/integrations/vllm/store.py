@@ -40,16 +40,22 @@ from pbkv.engine.hf.disk import CorruptKV, tensor_sha256
 from pbkv.integrations.vllm.plan import Plan, tainted
 
 FORMAT = "pbkv-vllm-block"
+
+
+class MissingKV(CorruptKV):
+    """A planned read of a key the store holds no file of (never written, or its write failed):
+    counted as `missing` only, not as `corrupt` (no file was damaged)."""
 log = logging.getLogger("pbkv.vllm")
 
 
 @dataclass
 class StoreStats:
     saved_blocks: int = 0
-    loaded_ram_blocks: int = 0
-    loaded_disk_blocks: int = 0
+    loaded_ram_blocks: int = 0    # loads whose KV was in RAM before this step's moves
+    loaded_disk_blocks: int = 0   # loads whose KV came from a disk file, read by the load or by
+                                  # a ("host", key) move of the same step (the shadow's disk_hit_tokens)
     files_written: int = 0
-    corrupt: int = 0
+    corrupt: int = 0        # files that were unreadable or failed their checksum
     missing: int = 0        # a planned load or move of a key the store does not hold
     loaded_shared_blocks: int = 0
     shared_failed: int = 0  # planned shared loads that found no valid file (vLLM recomputes them)
@@ -71,6 +77,7 @@ class BlockStore:
         self.layers: list[tuple[torch.Tensor, int]] = []  # (paged cache, block dim)
         self.stats = StoreStats()
         self.failed: set[int] = set()                   # block ids whose load failed this step
+        self._from_disk: set[int] = set()               # keys a ("host", key) move read from disk this step
         self.shared = shared                            # `shared.SharedBlocks` of this rank, or None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="pbkv-shared") if shared is not None else None
 
@@ -89,8 +96,11 @@ class BlockStore:
         """A step's moves, then its loads (failures land in `failed`)."""
         for op, key in plan.moves:
             self.move(op, key)
-        for key, block_id in plan.loads:
-            self.load(key, block_id)
+        try:
+            for key, block_id in plan.loads:
+                self.load(key, block_id)
+        finally:
+            self._from_disk.clear()   # a promotion counts only for the loads of its own step
         for block_hash, block_id in plan.shared_loads:
             self.load_shared(block_hash, block_id)
 
@@ -108,8 +118,10 @@ class BlockStore:
     def move(self, op: str, key: int) -> None:
         if op == "drop":
             self.ram.pop(key, None)
+            self._from_disk.discard(key)
             self._unlink(key)
         elif op == "disk":
+            self._from_disk.discard(key)
             data = self.ram.pop(key, None)
             if data is None:
                 self.stats.missing += 1
@@ -120,6 +132,9 @@ class BlockStore:
                 return
             try:
                 self.ram[key] = self._read(key)
+                self._from_disk.add(key)   # a load of it this step serves disk KV (see `load`)
+            except MissingKV:
+                pass                       # counted as missing by `_read`
             except CorruptKV:
                 self.stats.corrupt += 1
             self._unlink(key)
@@ -133,10 +148,14 @@ class BlockStore:
             if data is None:
                 data = self._read(key)
                 self.stats.loaded_disk_blocks += 1
+            elif key in self._from_disk:   # read from its file by this step's ("host", key) move
+                self._from_disk.discard(key)   # a second load of it this step is a RAM hit (as the shadow counts)
+                self.stats.loaded_disk_blocks += 1
             else:
                 self.stats.loaded_ram_blocks += 1
-        except CorruptKV:
-            self.stats.corrupt += 1
+        except CorruptKV as e:
+            if not isinstance(e, MissingKV):   # a missing key is counted as missing by `_read` only
+                self.stats.corrupt += 1
             self.stats.load_failed += 1
             self.failed.add(block_id)
             self.ram.pop(key, None)
@@ -149,6 +168,7 @@ class BlockStore:
     def save(self, key: int, block_id: int) -> None:
         """Copy a computed block into RAM, replacing any copy held (see the module docstring)."""
         self._unlink(key)
+        self._from_disk.discard(key)
         self.ram[key] = torch.stack([t.select(dim, block_id).to("cpu", copy=True) for t, dim in self.layers])
         self.stats.saved_blocks += 1
 
@@ -213,7 +233,7 @@ class BlockStore:
         entry = self.disk.get(key)
         if entry is None:
             self.stats.missing += 1
-            raise CorruptKV(f"block {key:x}: not stored")
+            raise MissingKV(f"block {key:x}: not stored")
         path, digest = entry
         try:
             raw = path.read_bytes()
