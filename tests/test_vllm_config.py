@@ -22,7 +22,7 @@ def refused(extra) -> str:
 def test_defaults_and_valid_values_are_kept_as_given(tmp_path):
     assert parse_extra(None) == parse_extra({}) == ConnectorConfig()
     assert ConnectorConfig().steer_gpu is True
-    extra = kv_transfer_config("pbkv-retired", predictor_dir=str(tmp_path), device_tokens=0, host_tokens=256,
+    extra = kv_transfer_config("pbkv", predictor_dir=str(tmp_path), device_tokens=0, host_tokens=256,
                                disk_tokens=4096, disk_dir=str(tmp_path / "new" / "deeper"), steer_gpu=False,
                                stats_path=str(tmp_path / "stats.json"), shared_dir=str(tmp_path),
                                shared_bytes=1 << 20)["kv_connector_extra_config"]
@@ -159,3 +159,24 @@ def test_agent_graph_reaches_kvflow_in_the_shadow():
     for bad in ({"plan": "act"}, ["plan"], {"plan": [1]}, {"": ["x"]}):
         assert "kv_connector_extra_config.agent_graph=" in refused({"agent_graph": bad})
     assert "kv_connector_extra_config.static_sequence=" in refused({"static_sequence": "plan"})
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"policy": "no-such-policy", "host_tokens": -1},
+     ["kv_connector_extra_config.policy='no-such-policy'", "kv_connector_extra_config.host_tokens=-1"]),
+    ({"policy": "oracle", "host_tokens": 0, "disk_tokens": 64, "shared_bytes": 0},
+     ["kv_connector_extra_config.policy='oracle'", "kv_connector_extra_config.disk_tokens=64",
+      "kv_connector_extra_config.shared_bytes=0"]),
+    ({"policy": "pbkv", "device_tokens": 1.5}, ["kv_connector_extra_config.policy='pbkv'",
+                                                "kv_connector_extra_config.device_tokens=1.5"])])
+def test_one_error_names_every_bad_key_the_policy_included(extra, words):
+    """The policy was checked only at the scheduler's start, after the other keys had passed: a
+    config with a bad policy and another bad key needed two starts to see both."""
+    text = refused(extra)
+    assert all(w in text for w in words), text
+
+
+def test_a_refused_key_is_not_named_again_by_the_policy_checks():
+    text = refused({"policy": "pbkv", "predictor_dir": 5, "host_tokens": 0, "disk_tokens": -1})
+    assert "needs a trained" not in text and "with kv_connector_extra_config.host_tokens=0" not in text, text
+    assert "kv_connector_extra_config.predictor_dir=5" in text and "disk_tokens=-1" in text, text

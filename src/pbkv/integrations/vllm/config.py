@@ -7,7 +7,10 @@ anything is built; every problem of one config is reported together. Rules:
 
 - the config itself is a JSON object; a key that is not in `KEYS` is refused, with the known
   keys listed (a misspelt key must not silently fall back to a default);
-- `policy`: a non-empty string (the policy registry then checks the name);
+- `policy`: a non-empty string naming a registered policy that runs live (`connector_policy`:
+  not one reading the replay's future; `predictor_dir` given exactly when the policy reads a
+  trained predictor), checked in the same pass as the other keys;
+- `host_tokens` 0 with `disk_tokens` > 0 is refused (the disk is reached only through RAM);
 - `predictor_dir`, `disk_dir`, `shared_dir`: non-empty strings naming a directory or a path that
   does not exist yet (the nearest existing ancestor must be a directory); for `disk_dir` and
   `shared_dir`, which the connector makes and writes, a folder must be creatable there now
@@ -197,9 +200,14 @@ def parse_extra(extra: Any) -> ConnectorConfig:
             given[key] = value
         else:
             problems.append(f"{PREFIX}.{key}={_show(value)}: {problem}")
+    config = ConnectorConfig(**given)
+    # the policy's checks (`connector_policy`, run again at the scheduler's start) in the same
+    # pass, so one error names every bad key, the policy's included
+    bad = frozenset(key for key in extra if key in CHECKS and key not in given)
+    problems += _policy_problems(config, bad)
     if problems:
         raise ValueError("pbkv connector: " + "; ".join(problems))
-    return ConnectorConfig(**given)
+    return config
 
 
 def connector_policy(config: ConnectorConfig) -> str:
@@ -208,26 +216,44 @@ def connector_policy(config: ConnectorConfig) -> str:
     words of `pbkv bench`'s command line that the policies' own errors use: an unknown name, a
     policy reading the replay's future (the oracle: a live connector has none), a predicting
     policy without `predictor_dir` or a `predictor_dir` the policy does not read (it would be
-    loaded and silently unused), a disk tier below a host tier of 0."""
+    loaded and silently unused), a disk tier below a host tier of 0. `parse_extra` runs the same
+    checks (`_policy_problems`), so a config it passed passes here too."""
+    problems = _policy_problems(config)
+    if problems:
+        raise ValueError("pbkv connector: " + "; ".join(problems))
+    return _policy_name(config)
+
+
+def _policy_name(config: ConnectorConfig) -> str:
+    return config.policy or ("pbkv" if config.predictor_dir else "lru")
+
+
+def _policy_problems(config: ConnectorConfig, bad: frozenset = frozenset()) -> list[str]:
+    """Every problem `connector_policy` refuses, as messages; `bad`: keys already refused by their
+    own check (left out of `config`), whose cross-checks are skipped (they would only repeat them).
+    Needs nothing but the config (no vLLM object), so `parse_extra` reports it with the rest."""
     from pbkv.policy.registry import UnknownPolicy, needed_predictor, needs_future, predicting_policies
-    policy = config.policy or ("pbkv" if config.predictor_dir else "lru")
-    try:
-        future, variant = needs_future(policy), needed_predictor(policy)
-    except UnknownPolicy as e:
-        raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)}: {e}") from None
-    if future:
-        raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)} reads the replayed trace's future, "
-                         f"which a live connector never has; give a policy that runs on what it has seen "
-                         f"(lru, pbkv-retired, kvflow, or pbkv with {PREFIX}.predictor_dir)")
-    if variant is not None and not config.predictor_dir:
-        raise ValueError(f"pbkv connector: {PREFIX}.policy={_show(policy)} needs a trained {variant} predictor: "
-                         f"give {PREFIX}.predictor_dir (a folder saved by `pbkv train`)")
-    if variant is None and config.predictor_dir:
-        raise ValueError(f"pbkv connector: {PREFIX}.predictor_dir={_show(config.predictor_dir)} given, but "
-                         f"{PREFIX}.policy={_show(policy)} reads no trained predictor (policies that do: "
-                         f"{', '.join(predicting_policies())}); leave predictor_dir out")
-    if config.host_tokens == 0 and config.disk_tokens:
-        raise ValueError(f"pbkv connector: {PREFIX}.disk_tokens={config.disk_tokens} with {PREFIX}.host_tokens=0: "
-                         f"blocks reach the disk tier only through the host (RAM) tier, so the disk would never "
-                         f"be used; give host_tokens > 0, or disk_tokens 0 (or leave it out)")
-    return policy
+    problems = []
+    if "policy" not in bad and "predictor_dir" not in bad:
+        policy = _policy_name(config)
+        try:
+            future, variant = needs_future(policy), needed_predictor(policy)
+        except UnknownPolicy as e:
+            problems.append(f"{PREFIX}.policy={_show(policy)}: {e}")
+        else:
+            if future:
+                problems.append(f"{PREFIX}.policy={_show(policy)} reads the replayed trace's future, "
+                                f"which a live connector never has; give a policy that runs on what it has seen "
+                                f"(lru, pbkv-retired, kvflow, or pbkv with {PREFIX}.predictor_dir)")
+            elif variant is not None and not config.predictor_dir:
+                problems.append(f"{PREFIX}.policy={_show(policy)} needs a trained {variant} predictor: "
+                                f"give {PREFIX}.predictor_dir (a folder saved by `pbkv train`)")
+            elif variant is None and config.predictor_dir:
+                problems.append(f"{PREFIX}.predictor_dir={_show(config.predictor_dir)} given, but "
+                                f"{PREFIX}.policy={_show(policy)} reads no trained predictor (policies that do: "
+                                f"{', '.join(predicting_policies())}); leave predictor_dir out")
+    if "host_tokens" not in bad and "disk_tokens" not in bad and config.host_tokens == 0 and config.disk_tokens:
+        problems.append(f"{PREFIX}.disk_tokens={config.disk_tokens} with {PREFIX}.host_tokens=0: "
+                        f"blocks reach the disk tier only through the host (RAM) tier, so the disk would never "
+                        f"be used; give host_tokens > 0, or disk_tokens 0 (or leave it out)")
+    return problems
