@@ -34,6 +34,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from pbkv.trace.io import is_number
 from pbkv.workloads.expr import Expr, ExprError, compile_expr, show
 
 END, START = "END", "START"
@@ -52,15 +53,7 @@ MAX_PROMPT_TOKENS = 1_000_000
 MAX_WORKFLOW_IDS = 20_000_000
 # ---------------------------------------------------------------- field types
 
-def _number(v: Any) -> bool:
-    """An int or float (not a bool) that is finite as a float: an integer too large for a float
-    (10**400, which YAML and JSON read exactly) is not one (`math.isfinite` raises OverflowError)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
+_number = is_number   # an integer too large for a float (10**400: YAML and JSON read it exactly) is not one
 
 
 def _range(integer: bool, minimum: float, maximum: float = math.inf, unit: str = ""):
