@@ -279,3 +279,37 @@ def test_an_end_before_the_calls_task_first_runs_still_ends_the_run_it_starts():
         await asyncio.gather(*worker._background)
         assert "w" not in handle.b.workflows
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_nor_when_the_new_runs_done_call_is_already_submitted():
+    """The new run's workflow_done call left `visited` when it was submitted, so the old run's
+    last call saw no newer run and its end, by id, cut the new run on b."""
+    handle = Replicas()
+    worker = remote.RemoteWorker(handle, 16, None, None)
+
+    async def main():
+        old, old_task = _submit(worker, handle)
+        c1 = await _next_call(handle, 1)
+        c1.events.put_nowait({"replica": "a"})
+        handle.a.workflows.add("w")
+        c1.events.put_nowait("x")
+        assert await old.events.get() == "x"
+        assert await worker.end_workflow("w") is True
+        n1, n1_task = _submit(worker, handle)                # the new run's first call, on b
+        c2 = await _next_call(handle, 2)
+        c2.events.put_nowait({"replica": "b"})
+        handle.b.workflows.add("w")
+        c2.events.put_nowait("y")
+        assert await n1.events.get() == "y"
+        n2, n2_task = _submit(worker, handle, done=True)     # its last call, waiting in Ray
+        await _next_call(handle, 3)
+        c1.events.put_nowait(Done("stop", 40, 4))            # the old run's last call finishes
+        await _answered(old, old_task)
+        await asyncio.gather(*worker._background)
+        assert "w" in handle.b.workflows
+        for t in (n1_task, n2_task):
+            t.cancel()
+        await asyncio.gather(n1_task, n2_task, return_exceptions=True)
+        await asyncio.sleep(0)   # their done callbacks
+        assert worker._busy == {} and worker.in_flight == 0   # every flow closed, cancelled ones too
+    asyncio.run(asyncio.wait_for(main(), 10))

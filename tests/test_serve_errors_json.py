@@ -303,3 +303,26 @@ def test_a_body_announced_too_large_is_a_json_413_before_it_arrives(srv):
     s.close()
     assert (status, headers["content-type"]) == (413, "application/json")
     assert json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_an_error_after_the_answer_started_is_raised_on_not_swallowed():
+    """`Unhandled` caught it and returned with the answer incomplete: uvicorn then logged a second
+    error ("ASGI callable returned without completing response"). Now it goes on to uvicorn,
+    which logs it once and closes the connection."""
+    import asyncio
+
+    from pbkv.serve.app import Unhandled
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+        raise RuntimeError("boom mid-stream")
+
+    async def send(message):
+        pass
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    with pytest.raises(RuntimeError, match="boom mid-stream"):
+        asyncio.run(Unhandled(app)({"type": "http", "path": "/v1/chat/completions"}, receive, send))

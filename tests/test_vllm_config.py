@@ -168,7 +168,10 @@ def test_agent_graph_reaches_kvflow_in_the_shadow():
      ["kv_connector_extra_config.policy='oracle'", "kv_connector_extra_config.disk_tokens=64",
       "kv_connector_extra_config.shared_bytes=0"]),
     ({"policy": "pbkv", "device_tokens": 1.5}, ["kv_connector_extra_config.policy='pbkv'",
-                                                "kv_connector_extra_config.device_tokens=1.5"])])
+                                                "kv_connector_extra_config.device_tokens=1.5"]),
+    # a null key is unset, not bad: the policy's checks still run (they were skipped)
+    ({"policy": "nosuch", "predictor_dir": None}, ["kv_connector_extra_config.policy='nosuch'"]),
+    ({"policy": "pbkv", "predictor_dir": None}, ["kv_connector_extra_config.policy='pbkv'"])])
 def test_one_error_names_every_bad_key_the_policy_included(extra, words):
     """The policy was checked only at the scheduler's start, after the other keys had passed: a
     config with a bad policy and another bad key needed two starts to see both."""

@@ -167,6 +167,7 @@ class RemoteWorker:
         self.in_flight = 0
         self.tasks: dict[int, asyncio.Task] = {}
         self.visited: dict[str, Flow] = {}   # client workflow id -> its run now, idle longest first
+        self._busy: dict[str, list[Flow]] = {}   # id -> its flows with calls in flight, oldest first
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ EngineWorker's API
@@ -238,6 +239,8 @@ class RemoteWorker:
         if workflow_id is None:
             return None
         flow = self.visited.pop(workflow_id, None) or Flow()
+        if flow.in_flight == 0:
+            self._busy.setdefault(workflow_id, []).append(flow)
         flow.in_flight += 1
         if job.hints.done:
             flow.ending = True
@@ -270,7 +273,13 @@ class RemoteWorker:
         unless a new run of the same id has started here since: the end, by id, would end that
         one on its replica (the old run's part elsewhere then ends by idle timeout)."""
         flow.in_flight -= 1
-        newer = self.visited.get(workflow_id) not in (None, flow)
+        busy = self._busy.get(workflow_id, [])
+        # a newer run: the one `visited` holds now, or one busy after this (a done call left `visited`)
+        newer = self.visited.get(workflow_id) not in (None, flow) or busy[-1:] != [flow]
+        if flow.in_flight == 0:
+            busy.remove(flow)
+            if not busy:
+                self._busy.pop(workflow_id, None)
         if flow.ending and flow.in_flight == 0 and not newer and (
                 flow.shared or not flow.replicas <= {flow.done_on}):
             self._end_elsewhere(workflow_id)

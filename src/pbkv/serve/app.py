@@ -91,7 +91,9 @@ class Unhandled:
     """Pure ASGI middleware: an unexpected error (a server bug, e.g. a chat template broken on the
     server's side) is logged once with its traceback and answered 500 `internal_error` (OpenAI
     shape), and ends here. Left to Starlette's exception handler it was logged twice: by the
-    handler, and by uvicorn ("Exception in ASGI application"), which Starlette re-raises it to."""
+    handler, and by uvicorn ("Exception in ASGI application"), which Starlette re-raises it to. An
+    error after the answer started is raised on (no 500 can follow a started answer): uvicorn
+    logs it once and closes the connection, so the client sees the answer cut, not completed."""
 
     def __init__(self, app):
         self.app = app
@@ -108,9 +110,10 @@ class Unhandled:
         try:
             await self.app(scope, receive, send_started)
         except Exception as exc:  # noqa: BLE001 - every unexpected error: one log line, one 500
+            if started:   # too late for a 500: uvicorn logs it (once) and closes the connection
+                raise
             log.exception("unhandled error on %s", scope.get("path", ""))
-            if not started:
-                await _internal_error(exc)(scope, receive, send)
+            await _internal_error(exc)(scope, receive, send)
 
 
 def _internal_error(exc: Exception) -> JSONResponse:

@@ -191,20 +191,20 @@ def parse_extra(extra: Any) -> ConnectorConfig:
         raise ValueError(f"pbkv connector: {PREFIX} must be a JSON object, got {_show(extra)}")
     unknown = [key for key in extra if key not in CHECKS]
     problems = [_unknown(unknown)] if unknown else []
-    given = {}
+    given, bad = {}, set()
     for key, value in extra.items():
         if key not in CHECKS or (value is None and key in NULL_IS_UNSET):
-            continue
+            continue   # null: unset, the default (not a bad key: the policy's checks still run)
         problem = CHECKS[key](value)
         if problem is None:
             given[key] = value
         else:
+            bad.add(key)
             problems.append(f"{PREFIX}.{key}={_show(value)}: {problem}")
     config = ConnectorConfig(**given)
     # the policy's checks (`connector_policy`, run again at the scheduler's start) in the same
     # pass, so one error names every bad key, the policy's included
-    bad = frozenset(key for key in extra if key in CHECKS and key not in given)
-    problems += _policy_problems(config, bad)
+    problems += _policy_problems(config, frozenset(bad))
     if problems:
         raise ValueError("pbkv connector: " + "; ".join(problems))
     return config
