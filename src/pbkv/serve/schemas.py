@@ -1,8 +1,8 @@
 """Request bodies (validated, strict types) and response bodies of the OpenAI-compatible API.
 
 Requests: strict pydantic models, so `"max_tokens": "5"` or `"stream": 1` is a 400, not coerced;
-`null` for the fields OpenAI documents as nullable (`temperature`, `top_p`, `n`, `stream`) is the
-default. Sampling parameters are checked against OpenAI's ranges (temperature 0..2, top_p in
+`null` for the fields OpenAI documents as nullable (`temperature`, `top_p`, `n`, `stream`,
+`echo`) is the default. Sampling parameters are checked against OpenAI's ranges (temperature 0..2, top_p in
 (0, 1]); a `seed` may be any integer (mapped into the generator's range: `seed % 2**63`). Fields
 OpenAI defines that this server does not act on are accepted and ignored where ignoring them
 leaves the answer one the client asked for (`presence_penalty`, `user`, `tool_choice` "auto": the
@@ -97,7 +97,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream")   # OpenAI documents these as nullable
+NULL_IS_DEFAULT = ("temperature", "top_p", "n", "stream", "echo")   # OpenAI documents these as nullable
 
 
 class _Common(_Strict):
@@ -117,7 +117,7 @@ class _Common(_Strict):
     workflow_done: bool = False
     logit_bias: Optional[dict[str, Union[int, float]]] = None
 
-    @field_validator(*NULL_IS_DEFAULT, mode="before")
+    @field_validator(*NULL_IS_DEFAULT, mode="before", check_fields=False)   # echo: completions' own
     @classmethod
     def _null_is_default(cls, v, info: ValidationInfo):
         # `null` means "the default" (the openai client sends temperature=None as null)
@@ -260,11 +260,6 @@ class CompletionRequest(_Common):
     echo: bool = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo(cls, v):
-        return False if v is None else v   # nullable in OpenAI's API, as NULL_IS_DEFAULT's fields
 
     @field_validator("suffix")
     @classmethod

@@ -166,15 +166,8 @@ class HFTokenizer:
         if not getattr(self.tok, "chat_template", None):
             return render_chat(messages, tools)
         template = self._template(tools)
-        native_tools = tools if tools and self._renders(template, "tools") else None
-        tries = []
-        for keep in (False, True):
-            chat = [self._for_template(m, template, keep) for m in messages]
-            tries.append((_with_tools_text(chat, tools) if tools and native_tools is None else chat, native_tools))
-        plain = [_fold(m, HEAD_FIELDS + TAIL_FIELDS) for m in messages]
-        tries.append((_with_tools_text(plain, tools) if tools else plain, None))
         error, tried = None, []
-        for chat, chat_tools in tries:
+        for chat, chat_tools in self._tries(messages, tools, template):   # built one by one: most calls need one
             if (chat, chat_tools) in tried:
                 continue
             tried.append((chat, chat_tools))
@@ -188,19 +181,19 @@ class HFTokenizer:
             raise ChatRefused(f"the model's chat template refuses this chat: {said}") from error
         raise error   # not the template refusing the chat (a broken template): a server error
 
+    def _tries(self, messages: list[dict], tools: list[dict] | None, template: str):
+        """The chats `render` tries in turn, each with the tools given natively (or None)."""
+        native_tools = tools if tools and self._renders(template, "tools") else None
+        for keep in (False, True):
+            chat = [self._for_template(m, template, keep) for m in messages]
+            yield (_with_tools_text(chat, tools) if tools and native_tools is None else chat), native_tools
+        plain = [_fold(m, HEAD_FIELDS + TAIL_FIELDS) for m in messages]
+        yield (_with_tools_text(plain, tools) if tools else plain), None
+
     def _template(self, tools: list[dict] | None) -> str:
         """The template string `apply_chat_template(..., tools=tools)` would use (a tokenizer may
         hold several by name: `tool_use` when tools are given, else `default`)."""
-        get = getattr(self.tok, "get_chat_template", None)
-        if get is not None:
-            return get(None, tools)
-        template = self.tok.chat_template
-        if isinstance(template, dict):
-            name = "tool_use" if tools is not None and "tool_use" in template else "default"
-            if name not in template:
-                raise ValueError(f"the tokenizer has several chat templates and no default: {sorted(template)}")
-            return template[name]
-        return template
+        return self.tok.get_chat_template(None, tools)   # every transformers the project allows has it
 
     def _apply(self, messages: list[dict], tools: list[dict] | None, template: str) -> str:
         return self.tok.apply_chat_template(messages, tools=tools, chat_template=template,
