@@ -19,6 +19,12 @@ class CorruptKV(RuntimeError):
     """A disk entry cannot be read back exactly (missing, truncated, corrupt or wrong file)."""
 
 
+def worth_logging(failures: int) -> bool:
+    """Whether a tier logs its `failures`-th failed write: the first, then every 1,000th (a full
+    or read-only folder gives a few lines, not one per block)."""
+    return failures == 1 or failures % 1000 == 0
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
 

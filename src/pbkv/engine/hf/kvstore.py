@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 
 from pbkv.cache import Node, Tier
 from pbkv.engine.hf.disk import CorruptKV, DiskFile, read_file, tensor_sha256, write_file  # noqa: F401
+from pbkv.engine.kvfile import worth_logging
 from pbkv.stale import hold, remove_stale
 
 log = logging.getLogger("pbkv.engine")
@@ -252,7 +253,7 @@ class KVStore:
         except (OSError, RuntimeError, SafetensorError) as e:   # safetensors' own error: not an OSError
             f.error = str(e)
             self.stats.write_errors += 1
-            if self.stats.write_errors == 1 or self.stats.write_errors % 1000 == 0:   # not one line per block
+            if worth_logging(self.stats.write_errors):
                 log.error("disk-tier write failed (%d so far; that KV is lost, recomputed when needed): %s",
                           self.stats.write_errors, e)
         f.data = None  # readers now go to the file (or fail on f.error)

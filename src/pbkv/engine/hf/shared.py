@@ -39,7 +39,7 @@ from safetensors import SafetensorError
 
 from pbkv.engine.hf.model import cache_to_kv
 from pbkv.engine.hf.tokens import block_hashes
-from pbkv.engine.kvfile import CorruptKV
+from pbkv.engine.kvfile import CorruptKV, worth_logging
 from pbkv.engine.request import SHARED
 from pbkv.engine.shared_kv import SharedKVDir, model_identity
 
@@ -149,7 +149,7 @@ class SharedTier:
                 written += self.dir.put(key, kv[:, :, :, i * bs:(i + 1) * bs])
             except (OSError, RuntimeError, ValueError, SafetensorError) as e:   # a full disk: SafetensorError
                 self.counters.write_errors += 1
-                if self.counters.write_errors == 1 or self.counters.write_errors % 1000 == 0:   # not one line per block
+                if worth_logging(self.counters.write_errors):
                     log.warning("cannot write to the shared KV folder %s (%d failed writes so far; that KV is "
                                 "recomputed where needed): %s", self.dir.directory, self.counters.write_errors, e)
         self.counters.blocks_written += written
