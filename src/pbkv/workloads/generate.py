@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pbkv.trace.call import Call, Trace, TraceMeta
+from pbkv.trace.io import is_number
 from pbkv.workloads.expr import Expr, ExprError, show
 from pbkv.workloads.spec import END, MAX_PROMPT_TOKENS, START, VarSpec, WorkflowSpec
 from pbkv.workloads.spec_files import SpecError, load_spec, spec_source
@@ -164,12 +165,7 @@ def transition_weights(items: list[tuple[str, float | Expr | None]], env: dict, 
 def _finite_weight(p) -> bool:
     """An int or float (a bool is 0 or 1) >= 0 and finite as a float: an expression may give an
     integer too large for one (10**400, which compares below inf but overflows every sum)."""
-    if not isinstance(p, (int, float)):
-        return False
-    try:
-        return 0 <= float(p) < math.inf
-    except OverflowError:
-        return False
+    return (isinstance(p, bool) or is_number(p)) and p >= 0
 
 
 def finite_sum(weights: list[float]) -> list[float]:
