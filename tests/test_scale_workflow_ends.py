@@ -234,6 +234,23 @@ def test_a_plain_answers_time_to_first_token_is_when_its_first_piece_came(monkey
     assert got["pbkv_time_to_first_token_seconds_sum"] == pytest.approx(1.0)   # was 10.0
 
 
+async def _old_run_ended_on_a_new_run_on_b(worker, handle):
+    """w's old run: a call running on a when the endpoint ended w; then w's new run: a call
+    running on b. The old call (not finished) and the new job, each with its task."""
+    old, old_task = _submit(worker, handle)
+    c1 = await _next_call(handle, 1)
+    c1.events.put_nowait({"replica": "a"})
+    handle.a.workflows.add("w")
+    c1.events.put_nowait("x")
+    assert await old.events.get() == "x"
+    assert await worker.end_workflow("w") is True
+    new, new_task = _submit(worker, handle)
+    c2 = await _next_call(handle, 2)
+    c2.events.put_nowait({"replica": "b"})
+    handle.b.workflows.add("w")
+    return (old, old_task, c1), (new, new_task, c2)
+
+
 def test_a_new_run_of_the_same_id_is_not_ended_by_the_old_runs_last_call():
     """The endpoint ended w while a call of it ran on a; a new call of w then started a new run
     on b (as in one process). When a's call finished, the end broadcast by id cut b's new run."""
@@ -241,17 +258,7 @@ def test_a_new_run_of_the_same_id_is_not_ended_by_the_old_runs_last_call():
     worker = remote.RemoteWorker(handle, 16, None, None)
 
     async def main():
-        old, old_task = _submit(worker, handle)
-        c1 = await _next_call(handle, 1)
-        c1.events.put_nowait({"replica": "a"})
-        handle.a.workflows.add("w")
-        c1.events.put_nowait("x")
-        assert await old.events.get() == "x"
-        assert await worker.end_workflow("w") is True
-        new, new_task = _submit(worker, handle)
-        c2 = await _next_call(handle, 2)
-        c2.events.put_nowait({"replica": "b"})
-        handle.b.workflows.add("w")
+        (old, old_task, c1), (new, new_task, c2) = await _old_run_ended_on_a_new_run_on_b(worker, handle)
         c2.events.put_nowait(Done("stop", 40, 4))
         await _answered(new, new_task)
         c1.events.put_nowait(Done("stop", 40, 4))
@@ -288,17 +295,7 @@ def test_nor_when_the_new_runs_done_call_is_already_submitted():
     worker = remote.RemoteWorker(handle, 16, None, None)
 
     async def main():
-        old, old_task = _submit(worker, handle)
-        c1 = await _next_call(handle, 1)
-        c1.events.put_nowait({"replica": "a"})
-        handle.a.workflows.add("w")
-        c1.events.put_nowait("x")
-        assert await old.events.get() == "x"
-        assert await worker.end_workflow("w") is True
-        n1, n1_task = _submit(worker, handle)                # the new run's first call, on b
-        c2 = await _next_call(handle, 2)
-        c2.events.put_nowait({"replica": "b"})
-        handle.b.workflows.add("w")
+        (old, old_task, c1), (n1, n1_task, c2) = await _old_run_ended_on_a_new_run_on_b(worker, handle)
         c2.events.put_nowait("y")
         assert await n1.events.get() == "y"
         n2, n2_task = _submit(worker, handle, done=True)     # its last call, waiting in Ray
