@@ -190,6 +190,22 @@ def test_stale_temp_files_are_cleaned(tmp_path):
     assert not tmp.exists() and s.contains(1)
 
 
+def test_a_temp_file_of_a_write_in_flight_counts_toward_the_bound(tmp_path):
+    clock = Clock()
+    probe = SharedKVDir(tmp_path / "probe", MODEL, 10**9)
+    probe.put(0, block(0))
+    size = probe.path(0).stat().st_size
+    s = SharedKVDir(tmp_path / "kv", MODEL, 3 * size, clock=clock)
+    for h in (1, 2):
+        clock.t += 1
+        s.put(h, block(h))
+    tmp = s.path(1).parent / ".tmp-999-1-0"   # another process's file, being written
+    tmp.write_bytes(b"x" * size)
+    os.utime(tmp, (clock.t, clock.t))
+    s.evict()   # 3 files' worth is over 90% of 3: the oldest KV file (1) makes room
+    assert [h for h in (1, 2) if s.contains(h)] == [2] and tmp.exists()
+
+
 def _writer(directory: str, keys: list[int], barrier, results) -> None:
     s = SharedKVDir(directory, MODEL, 10**9)
     barrier.wait()

@@ -12,14 +12,16 @@ Invariants:
 - a read returns data only if the file parses, its metadata names our format, this key and
   model, and its tensor hashes to the sha256 in its metadata; otherwise `CorruptKV` is raised
   and the file is removed (it would fail every reader);
-- the directory's KV files stay within `max_bytes` while at most `QUIET_WRITERS` (4) processes
+- the directory's KV files and temp files stay within `max_bytes` while at most `QUIET_WRITERS` (4) processes
   write to it with that bound, with no lock between them: `evict` brings them down to
   `LOW_WATER` (90%) of `max_bytes`, removing the least recently used first (reads touch a
   file's mtime), and a writer runs it (making room for the file it adds) before the bytes it
   wrote since its last `evict` (whole files, headers included) would pass `SCAN_EVERY` (1/40) of
   the bound; so W writers hold at most 90% + W/40 of the bound: each writer past the fourth may
   add 1/40 of it (a single block larger than 90% of the bound is still written, alone);
-  `evict` also removes temp files left by crashed writers; it only ever counts and removes its
+  a temp file younger than `STALE_TEMP_S` (a write in flight, or a writer that died less than
+  that ago) counts toward the bound, so `evict` makes room for it among the KV files; an older
+  one is removed (its writer died); `evict` only ever counts and removes its
   own names (`KEY_DIR/KEY_FILE`, `.tmp-*` in them): a directory that also holds other files (a
   user's) keeps them;
 - reading needs read access only (a folder this process cannot write is used, with a warning at
@@ -133,7 +135,7 @@ class SharedKVDir:
             size = tmp.stat().st_size   # the whole file, header included: what `evict` counts
             scan = self._unscanned + size > self.scan_every
             if scan:
-                self.evict(room=size)   # before the rename, making room for it: within low_water after it
+                self.evict(room=size, writing=tmp.name)   # before the rename, making room for it: within low_water after it
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -185,9 +187,10 @@ class SharedKVDir:
             out.append(kv)
         return out
 
-    def evict(self, room: int = 0) -> int:
+    def evict(self, room: int = 0, writing: str = "") -> int:
         """Remove least recently used files until the total is within `low_water` less `room` (the
-        size of a file about to be added); returns files removed. A periodic scan (`put`), not one
+        size of a file about to be added: the temp file named `writing`, counted as `room` only);
+        returns files removed. A periodic scan (`put`), not one
         per write: see the module docstring for the bound this gives."""
         self._unscanned = 0
         target = self.low_water - room
@@ -197,6 +200,8 @@ class SharedKVDir:
                 continue   # not one of ours: never counted, never removed
             for entry in os.scandir(sub):
                 temp = entry.name.startswith(".tmp-")
+                if entry.name == writing:
+                    continue
                 if not (temp or KEY_FILE.fullmatch(entry.name)) or not entry.is_file(follow_symlinks=False):
                     continue
                 try:
@@ -206,6 +211,8 @@ class SharedKVDir:
                 if temp:
                     if now - st.st_mtime > STALE_TEMP_S:
                         _remove(Path(entry.path))
+                    else:
+                        total += st.st_size   # another writer's file to be: it counts, but is not ours to remove
                     continue
                 files.append((st.st_mtime, entry.name, entry.path, st.st_size))
                 total += st.st_size
