@@ -226,3 +226,15 @@ def test_every_replica_gets_the_shared_dir_and_its_own_disk_dir(tmp_path, monkey
     assert dataclasses.replace(a, cache=cfg.cache) == cfg     # nothing else changes
     no_disk = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, disk_dir=None))
     assert replica_config(no_disk, "r1") is no_disk
+
+
+def test_bench_serve_refuses_an_output_it_cannot_write_before_starting_ray(tmp_path, monkeypatch, capsys):
+    import pytest
+    pytest.importorskip("ray")
+    import pbkv.scale.bench_serve as bench_serve
+    monkeypatch.setattr(bench_serve, "start_ray", lambda *a, **k: pytest.fail("Ray started"))
+    for out, words in ((tmp_path, "is a folder; give a file name"), (tmp_path / "f" / "x.jsonl", "is a file, so")):
+        (tmp_path / "f").write_text("")
+        with pytest.raises(SystemExit) as e:
+            bench_serve.main(["--out", str(out)])
+        assert e.value.code == 2 and words in capsys.readouterr().err

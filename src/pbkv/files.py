@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,54 @@ def read_text(path: str | Path, where: str | None = None, error: type[Exception]
         raise error(f"{where}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
     except OSError as e:
         raise error(f"{where}: cannot read ({e.strerror or e})") from None
+
+
+def check_output_file(path: Path) -> None:
+    """Raise ValueError unless `path` can be written as a file: checked before any work, so that a
+    run does not train or measure for minutes and then fail to write its result. Its folder must
+    be writable or creatable (`check_writable`); a path that is neither a regular file nor a
+    folder (`/dev/null`, `/dev/stdout`) is written directly and not checked further."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a file name")
+    check_no_file_above(path)
+    if not (path.exists() and not path.is_file()):
+        check_writable(path.parent, path)   # the file is written as a temporary file there, then renamed
+
+
+def check_output_folder(path: Path) -> None:
+    """Raise ValueError unless `path` is, or can be made, a folder files can be written in."""
+    check_readable_folder(path)
+    check_writable(path, path)
+
+
+def check_readable_folder(path: Path) -> None:
+    """Raise ValueError if `path` is a file or cannot be a folder (a file above it); it need not
+    be writable (a folder a command can use read-only)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file; give a folder")
+    check_no_file_above(path)
+
+
+def check_no_file_above(path: Path) -> None:
+    for above in path.parents:
+        if above.exists() and not above.is_dir():
+            raise ValueError(f"{above} is a file, so {path} cannot be written")
+
+
+def check_writable(folder: Path, output: Path) -> None:
+    """Raise ValueError unless `folder` (where `output` goes) is, or can be made, a folder this
+    process can create files in: the nearest existing folder on its path gets an empty temporary
+    folder, removed at once (`os.access` is not enough: root passes it for `/proc`, where nothing
+    can be created). Nothing is left behind: no folder on the way is created here."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return   # a file above: `check_no_file_above` says so; no existing folder at all: mkdir will say
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pbkv-write-check-", dir=existing))
+    except OSError as e:
+        made = "" if existing == folder else f", so {folder} cannot be made"
+        raise ValueError(f"cannot write {output}: cannot create files in {existing}{made} "
+                         f"({e.strerror or e})") from None
 
 
 def _temporary_name(path: Path, pid: int | str, tag: str) -> str:

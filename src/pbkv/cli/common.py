@@ -11,7 +11,6 @@ import io
 import os
 import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -19,6 +18,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from pbkv import files
 from pbkv.trace import TraceError
 
 # Tables need ~110 columns; a narrower (or piped) output still gets them whole.
@@ -80,32 +80,27 @@ def written_path(value) -> Path:
 
 
 def output_file(path: Path | None) -> Path | None:
-    """An output file's path is checked when the command line is read, before any work: a run
-    must not train or measure for minutes and then fail to write its result. Its folder must
-    be writable or creatable (`_check_writable`); a path that is neither a regular file nor a
-    folder (`/dev/null`, `/dev/stdout`) is written directly and not checked further."""
-    if path is not None and path.is_dir():
-        raise typer.BadParameter(f"{path} is a folder; give a file name")
-    _no_file_above(path)
-    if path is not None and not (path.exists() and not path.is_file()):
-        _check_writable(path.parent, path)   # the file is written as a temporary file there, then renamed
-    return path
+    """An output file's path, checked when the command line is read (`files.check_output_file`)."""
+    return _checked(files.check_output_file, path)
 
 
 def output_folder(path: Path | None) -> Path | None:
-    """An output folder's path, checked like `output_file`'s."""
-    readable_folder(path)
-    if path is not None:
-        _check_writable(path, path)
-    return path
+    """An output folder's path, checked like `output_file`'s (`files.check_output_folder`)."""
+    return _checked(files.check_output_folder, path)
 
 
 def readable_folder(path: Path | None) -> Path | None:
     """A folder a command reads and may write but can use read-only (`serve --shared-dir`):
     checked like `output_folder`'s, except that it need not be writable."""
-    if path is not None and path.exists() and not path.is_dir():
-        raise typer.BadParameter(f"{path} is a file; give a folder")
-    _no_file_above(path)
+    return _checked(files.check_readable_folder, path)
+
+
+def _checked(check, path: Path | None) -> Path | None:
+    if path is not None:
+        try:
+            check(path)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
     return path
 
 
@@ -159,28 +154,6 @@ def _file_key(path) -> tuple:
         return st.st_dev, st.st_ino
     except OSError:
         return (os.path.realpath(path),)
-
-
-def _no_file_above(path: Path | None) -> None:
-    for above in path.parents if path is not None else ():
-        if above.exists() and not above.is_dir():
-            raise typer.BadParameter(f"{above} is a file, so {path} cannot be written")
-
-
-def _check_writable(folder: Path, output: Path) -> None:
-    """Refuse `output` unless `folder` (where it goes) is, or can be made, a folder this process
-    can create files in: the nearest existing folder on its path gets an empty temporary folder,
-    removed at once (`os.access` is not enough: root passes it for `/proc`, where nothing can be
-    created). Nothing is left behind: no folder on the way is created here."""
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
-    if existing is None or not existing.is_dir():
-        return   # a file above: `_no_file_above` said so; no existing folder at all: mkdir will say
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".pbkv-write-check-", dir=existing))
-    except OSError as e:
-        made = "" if existing == folder else f", so {folder} cannot be made"
-        raise typer.BadParameter(f"cannot write {output}: cannot create files in {existing}{made} "
-                                 f"({e.strerror or e})") from None
 
 
 def save_json(path: Path, data) -> None:

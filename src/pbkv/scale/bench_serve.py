@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from pbkv.cache import CacheConfig
+from pbkv.files import check_output_file
 from pbkv.scale.serve_app import ReplicaOptions, ReplicaServer, default_router_config, start_ray
 from pbkv.serve import ServeConfig
 from pbkv.serve.metrics import parse
@@ -171,6 +172,11 @@ def main(argv=None) -> None:
     p.add_argument("--overhead-clients", type=int, default=64, help="0: skip the routing-overhead runs")
     p.add_argument("--out", help="write every row as JSON lines here")
     args = p.parse_args(argv)
+    if args.out:
+        try:   # before Ray starts and minutes of replays: the same check as every `pbkv` command's output
+            check_output_file(Path(args.out))
+        except ValueError as e:
+            p.error(f"--out: {e}")
     routers = args.routers.split(",")
     start_ray(ReplicaOptions(replicas=args.replicas), log_to_driver=False)
     cfg = ServeConfig(model="tiny", port=0, threads=1, max_tokens_limit=1024, idle_timeout=600.0,
