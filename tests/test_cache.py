@@ -3,7 +3,7 @@
 import pytest
 
 from helpers import BLOCK, ids, make_cache, put, resident
-from pbkv.cache import RadixTree, Tier, TreeError
+from pbkv.cache import Capacities, RadixTree, TieredCache, Tier, TreeError
 
 
 def test_match_insert_split():
@@ -41,6 +41,30 @@ def test_split_keeps_locks_and_tags():
     tree.unlock(leaf)
     assert upper.lock == 0
     tree.check()
+
+
+class DeepestFirst:
+    """Evicts the node that starts deepest in its prompt first (a key read from the node's content)."""
+
+    def priority(self, node):
+        return (-node.start,)
+
+    def keep_on_evict(self, node):
+        return False
+
+    def on_evict(self, node, src, dst):
+        pass
+
+
+def test_a_split_node_is_ranked_by_its_new_content():
+    cache = TieredCache(RadixTree(BLOCK), Capacities(16 * BLOCK), DeepestFirst())
+    old = put(cache, "jklm", 1.0)        # one node, starting at block 0
+    put(cache, "jkx", 2.0)               # cuts it: its lower part "lm" now starts at block 2
+    put(cache, "y", 3.0)
+    assert old.start == 2 and old.key == (-2,)
+    assert cache.evict(Tier.DEVICE, BLOCK)   # the first of the two nodes starting at 2 goes: old, not "x"
+    assert resident(cache) == {"DEVICE": ["jk", "jkx", "y"]}
+    cache.check()
 
 
 def test_lru_evicts_least_recent_leaf_first_and_never_locked():

@@ -237,9 +237,10 @@ class TieredCache:
 
     def _split(self, upper: Node) -> None:
         self.nodes[upper.tier] += 1
+        lower = next(iter(upper.children.values()))   # right after a split: the node it was cut from
         if self.storage is not None:
-            # right after a split the upper part has exactly one child: the node it was cut from
-            self.storage.split(upper, next(iter(upper.children.values())))
+            self.storage.split(upper, lower)
+        self.refresh(lower)   # its first block and size changed: a key from before ranks the old content
 
     def _lock_changed(self, node: Node, delta: int) -> None:
         self.locked[node.tier] += delta * node.tokens
