@@ -106,6 +106,22 @@ def test_recompute_rule_promotes_the_recomputed_prefix(lm):
     check(engine)
 
 
+def test_a_recomputed_prefix_is_not_counted_as_loaded(lm):
+    """Before: the promotion of a recomputed host/disk prefix counted in `cache.stats.loaded`,
+    so /metrics `pbkv_cache_loaded_tokens_total` reported loads that never happened."""
+    from pbkv.serve.gauges import engine_snapshot
+    engine = make_engine(lm, device=40, host=24, disk=400, rule="recompute")
+    push_to_disk(engine)
+    for p in (A, B):   # A's prefix on disk, B's on host: both recomputed
+        assert_same_as_reference(lm, p, engine.generate(p, 2), 2)
+    assert engine.stats.recompute_instead_of_load == 2 and sum(engine.stats.loaded_tokens) == 0
+    assert engine.cache.stats.loaded == [0, 0, 0]
+    family = next(f for f in engine_snapshot(engine, 0, 0, {"device": 0.0}) if f.name == "pbkv_cache_loaded_tokens")
+    assert {s.labels["tier"]: s.value for s in family.samples} == {"device": 0, "host": 0, "disk": 0, "shared": 0}
+    check(engine)
+    engine.close()
+
+
 def test_auto_rule_follows_the_estimates(lm):
     for prefill_tps, loads in ((1e12, 0), (1.0, 24)):
         engine = make_engine(lm, device=40, host=24, disk=400, rule="auto")

@@ -66,5 +66,5 @@ class CacheStats:
 
     demoted: list[int] = field(default_factory=lambda: [0, 0, 0])   # tokens moved down, by source tier
     dropped: list[int] = field(default_factory=lambda: [0, 0, 0])   # tokens dropped, by tier
-    loaded: list[int] = field(default_factory=lambda: [0, 0, 0])    # tokens moved up, by source tier
+    loaded: list[int] = field(default_factory=lambda: [0, 0, 0])    # tokens read up (not recomputed), by source tier
     evictions: int = 0

@@ -183,8 +183,11 @@ class TieredCache:
             self.reserved += tokens  # pending: counted as used, not evictable
         return Move(nodes, [n.tier for n in nodes], dst, tokens, keep_lock)
 
-    def complete(self, move: Move) -> None:
-        """Phase two: the data has arrived; the nodes now live in `move.dst`."""
+    def complete(self, move: Move, loaded: bool = True) -> None:
+        """Phase two: the data has arrived; the nodes now live in `move.dst`.
+
+        `loaded=False`: the data was not read from the source tiers but recomputed (a real
+        engine's promotion of a recomputed prefix); the move is not counted in `stats.loaded`."""
         if move.done:
             raise TreeError("move completed twice")
         move.done = True
@@ -194,7 +197,8 @@ class TieredCache:
             self.reserved -= move.tokens
         for node, src in zip(move.nodes, move.src):
             self._set_tier(node, dst)
-            self.stats.loaded[src] += node.tokens
+            if loaded:
+                self.stats.loaded[src] += node.tokens
         if not move.keep_lock:
             self.tree.unlock(move.nodes[-1])
 

@@ -94,7 +94,7 @@ class ExecOps:
             bs = self.tree.block_size
             for n in adm.promote.nodes:
                 self.store.stage(n, kv_of(n.start * bs, n.start * bs + n.tokens))
-            self.cache.complete(adm.promote)
+            self.cache.complete(adm.promote, loaded=False)   # nothing was read: not a load
         self._insert(req, kv_of)
         req.first_token = self.clock.now()
         req.result = Output([], hidden.cpu().numpy(), adm.cached)
