@@ -46,7 +46,7 @@ def test_prefix_reuse_is_exact_and_skips_the_cached_prefix(lm):
     check(engine)
 
 
-@pytest.mark.parametrize("kind", ["clean", "corrupt", "truncated", "missing", "forged"])
+@pytest.mark.parametrize("kind", ["clean", "corrupt", "truncated", "missing", "forged", "scalar"])
 def test_disk_reload_and_damaged_files_are_detected_and_recomputed(lm, kind):
     engine = make_engine(lm, device=40, host=24, disk=400)
     push_to_disk(engine)
@@ -61,6 +61,8 @@ def test_disk_reload_and_damaged_files_are_detected_and_recomputed(lm, kind):
     elif kind == "forged":  # a valid file with a self-consistent checksum, but other data
         fake = torch.zeros(lm.layers, 2, lm.kv_heads, len(A), lm.head_dim)
         save_file({"kv": fake}, str(path), metadata={"format": "pbkv-kv", "sha256": tensor_sha256(fake)})
+    elif kind == "scalar":  # before: hashing its 0-dim tensor raised RuntimeError out of step(), leaking the load
+        save_file({"kv": torch.tensor(1.0)}, str(path), metadata={"format": "pbkv-kv"})
     out = engine.generate(A, 3)
     assert_same_as_reference(lm, A, out, 3)
     damaged = kind != "clean"
@@ -68,6 +70,29 @@ def test_disk_reload_and_damaged_files_are_detected_and_recomputed(lm, kind):
     assert engine.stats.loaded_tokens[Tier.DISK] == (0 if damaged else 24)
     assert out.cached_tokens == (0 if damaged else 23)  # the last prompt token is always computed
     assert node_of(engine, A).tier == Tier.DEVICE
+    assert engine.cache.reserved == 0 and engine.cache.locked == [0, 0, 0]
+    check(engine)
+    engine.close()
+
+
+def test_a_failed_read_task_gives_its_space_and_pin_back(lm, monkeypatch):
+    """A worker task that raises (not an entry it reports unreadable) is the engine's failure and
+    leaves step(); before, the load's device reservation and its pin on the disk nodes stayed
+    held for good. Now they are given back and the request is queued again."""
+    engine = make_engine(lm, device=40, host=24, disk=400)
+    push_to_disk(engine)
+    read = engine.store.read
+
+    def broken(*a, **kw):
+        raise RuntimeError("worker failed")
+    monkeypatch.setattr(engine.store, "read", broken)
+    with pytest.raises(RuntimeError, match="worker failed"):
+        engine.generate(A, 3)
+    assert engine.cache.reserved == 0 and engine.cache.locked == [0, 0, 0] and not engine._inflight
+    assert engine.queue_depth == 1 and node_of(engine, A).tier == Tier.DISK
+    monkeypatch.setattr(engine.store, "read", read)
+    engine.run()   # the queued request loads its prefix again, now readable
+    assert engine.stats.loaded_tokens[Tier.DISK] == 24 and engine.cache.reserved == 0
     check(engine)
     engine.close()
 

@@ -69,6 +69,21 @@ def test_truncated_and_substituted_files_are_refused(tmp_path):
     assert s.stats.corrupt == 2 and torch.equal(s.get(2), block(2))
 
 
+def test_a_file_holding_a_scalar_is_refused(tmp_path):
+    """Before: hashing its 0-dim tensor raised RuntimeError, not CorruptKV, out of the reader."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    s = SharedKVDir(tmp_path, MODEL, 10**9)
+    s.put(1, block(1))
+    p = s.path(1)
+    with safe_open(str(p), "pt") as f:
+        meta = f.metadata()   # the real file's: only the tensor is other data
+    save_file({"kv": torch.tensor(1.0)}, str(p), metadata=meta)
+    with pytest.raises(CorruptKV, match="checksum mismatch"):
+        s.get(1)
+    assert not p.exists() and s.stats.corrupt == 1
+
+
 def test_the_byte_bound_evicts_least_recently_used(tmp_path):
     clock = Clock()
     probe = SharedKVDir(tmp_path / "probe", MODEL, 10**9)

@@ -26,7 +26,9 @@ def worth_logging(failures: int) -> bool:
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
+    """The sha256 of `t`'s bytes, for a tensor of any shape: flattened first, since a 0-dim
+    tensor (a file read back may hold anything) cannot be viewed as bytes."""
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def load_kv(path: Path) -> tuple[dict, torch.Tensor]:

@@ -186,29 +186,34 @@ class CacheOps:
 
     def _poll_transfers(self, block: bool = False) -> None:
         if block and self._transfers and not any(t.future.done() for t in self._transfers):
-            self._transfers[0].future.result()  # FIFO worker: the oldest finishes first
+            self._transfers[0].future.exception()  # FIFO worker: the oldest finishes first (waits, never raises)
         for t in [t for t in self._transfers if t.future.done()]:
             self._finish_transfer(t)
 
     def _finish_transfer(self, t: Transfer) -> None:
+        """Install a finished load, or give its space and pin back: an entry it could not read
+        is lost (its request goes back to the queue and recomputes). When the worker's task
+        itself raised (a failure of the engine, not of one entry's data) the move is given back
+        too before the error leaves `step()`: nothing stays held for the server's life."""
         self._transfers.remove(t)
         for n in t.move.nodes:
             self._inflight.pop(n.id, None)
+        if t.future.exception() is not None:
+            self._give_back(t)
+            t.future.result()   # raises
         res = t.future.result()
         for tier in (Tier.HOST, Tier.DISK):
             if t.tokens[tier] and not res.errors:
                 self.rates.saw_load(tier, res.bytes_by_tier[tier], res.seconds * t.tokens[tier] / sum(t.tokens))
         req = t.req
         if res.errors:
-            self.cache.abort(t.move)
+            self._give_back(t)
             for n in t.move.nodes:
                 if n.id in res.errors:
                     self.store.mark_lost(n)
                     self._lost.add(n)
             self._discard_lost()
             self.stats.failed_loads += 1
-            if req is not None:  # back to the queue: it is matched again and recomputes
-                req.move, req.loading, req.node, req.counted = None, False, None, False
             return
         for n in t.move.nodes:
             self.store.stage(n, res.tensors[n.id])
@@ -217,6 +222,14 @@ class CacheOps:
         self.stats.loaded_tokens[Tier.DISK] += t.tokens[Tier.DISK]
         if req is not None:
             req.move, req.loading = None, False
+
+    def _give_back(self, t: Transfer) -> None:
+        """A load that did not arrive: release its space and pin; its request (if any) goes back
+        to the queue, to be matched again."""
+        self.cache.abort(t.move)   # the move's pin was the request's (req.node): not unlocked twice
+        req = t.req
+        if req is not None:
+            req.move, req.loading, req.node, req.counted = None, False, None, False
 
     def _abort_load(self, req: Request) -> None:
         """`req` (loading its prefix) was cancelled: give its move's space and pin back now."""

@@ -46,8 +46,10 @@ def read_file(f: DiskFile) -> torch.Tensor:
     if f.error is not None:
         raise CorruptKV(f"{where}: write failed ({f.error})")
     meta, data = load_kv(f.path)
+    # format and shape first: they are cheap, and a file with other data need not be hashed
+    if meta.get("format") != FORMAT or data.dim() != 5 or data.shape[3] != f.tokens:
+        raise CorruptKV(f"{where}: not this entry's KV (shape {list(data.shape)})")
     digest = tensor_sha256(data)
-    if meta.get("format") != FORMAT or digest != meta.get("sha256") or digest != f.sha256 \
-            or data.dim() != 5 or data.shape[3] != f.tokens:
+    if digest != meta.get("sha256") or digest != f.sha256:
         raise CorruptKV(f"{where}: checksum mismatch")
     return data
