@@ -97,6 +97,54 @@ def test_a_failed_read_task_gives_its_space_and_pin_back(lm, monkeypatch):
     engine.close()
 
 
+def full_disk(monkeypatch):
+    """Every disk-tier write fails as on a full disk (safetensors' own error, not an OSError)."""
+    from safetensors import SafetensorError
+
+    from pbkv.engine.hf import kvstore
+
+    def full(f):
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+    monkeypatch.setattr(kvstore, "write_file", full)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_an_entry_whose_disk_write_failed_is_dropped_not_loaded(lm, monkeypatch, inline):
+    """Before: it stayed on the disk tier, counted in its usage (and /metrics), and a call that
+    reached it first waited for a load doomed to fail. Now the engine drops it at its next step,
+    or when /metrics reads the usage (an idle engine takes no step), and recomputes it."""
+    from pbkv.serve.gauges import engine_snapshot
+    full_disk(monkeypatch)
+    engine = make_engine(lm, device=40, host=24, disk=400, inline=inline)
+    for p in (A, B, C):   # C pushes A from host to disk: its write fails
+        engine.generate(p, 2)
+    engine.store.worker.drain()
+    family = next(f for f in engine_snapshot(engine, 0, 0, {"device": 0.0}) if f.name == "pbkv_cache_usage_tokens")
+    assert {s.labels["tier"]: s.value for s in family.samples}["disk"] == 0
+    assert engine.store.stats.write_errors == 1 and engine.cache.stats.dropped[Tier.DISK] == 24
+    assert engine.tree.match(block_hashes(A, BS))[1] == 0
+    out = engine.generate(A, 2)
+    assert_same_as_reference(lm, A, out, 2)
+    assert engine.stats.failed_loads == 0 and out.cached_tokens == 0 and engine.store.stats.corrupt == 0
+    check(engine)
+    engine.close()
+
+
+def test_both_halves_of_a_split_entry_whose_write_failed_are_dropped(lm, monkeypatch):
+    full_disk(monkeypatch)
+    engine = make_engine(lm, device=40, host=24, disk=400)
+    for p in (A, B):      # A on host
+        engine.generate(p, 2)
+    assert engine.cache.evict(Tier.HOST, 24)    # A to disk: its write fails at once (inline worker)
+    node = node_of(engine, A)
+    upper = engine.tree.split(node, 2)         # before the engine hears of the failure
+    assert engine.store.is_lost(upper) and engine.store.is_lost(node)
+    engine.drop_failed_writes()
+    assert not upper.alive and not node.alive and engine.cache.usage[Tier.DISK] == 0
+    check(engine)
+    engine.close()
+
+
 @pytest.mark.parametrize("tier", [Tier.HOST, Tier.DISK])
 def test_split_of_a_host_or_disk_node_splits_its_tensors(lm, tier):
     engine = make_engine(lm, device=40, host=24, disk=400)

@@ -39,6 +39,7 @@ def _per_tier(kind, name: str, help_text: str, values) -> Metric:
 def engine_snapshot(engine: HFEngine, in_flight: int, active_workflows: int,
                     hit_rates: dict[str, float]) -> list[Metric]:
     """The engine's families. Must run on the engine thread (`EngineWorker.call`)."""
+    engine.drop_failed_writes()   # an idle server takes no step: usage counts only KV that exists
     cache, stats = engine.cache, engine.stats
     out = [
         _one(GaugeMetricFamily, "pbkv_queue_depth", "Requests waiting for admission (queued in the engine).",

@@ -20,7 +20,9 @@ Admission of a request whose longest cached prefix reaches into host or disk (`_
   data comes from the prefill), so new blocks can hang below them; with no room for that, the
   request still runs and its new blocks are simply not cached;
 - a node whose data proved unreadable (`lost`) ends the usable prefix and is dropped from the
-  tree (with its subtree, whose KV is useless without it) as soon as nothing pins it;
+  tree (with its subtree, whose KV is useless without it) as soon as nothing pins it; so is a
+  node whose disk write failed, from the next step after the failure (`drop_failed_writes`): no
+  load is tried for it, and the disk space it was counted in is free again;
 - a request's load is aborted when the request is cancelled (`_abort_load`): the move's space
   and pin go back at once, and whatever the worker still reads for it is discarded unread;
 - with a shared tier (`shared.py`), an admitted request whose local prefix is on the device and
@@ -185,6 +187,7 @@ class CacheOps:
             self._inflight[n.id] = t
 
     def _poll_transfers(self, block: bool = False) -> None:
+        self.drop_failed_writes()
         if block and self._transfers and not any(t.future.done() for t in self._transfers):
             self._transfers[0].future.exception()  # FIFO worker: the oldest finishes first (waits, never raises)
         for t in [t for t in self._transfers if t.future.done()]:
@@ -240,6 +243,16 @@ class CacheOps:
         self.cache.abort(t.move)  # the move's pin was the request's (req.node): not unlocked twice
         req.move, req.loading, req.node, req.counted = None, False, None, False
         req.device_hit = req.host_hit = req.disk_hit = req.recomputed = 0   # nothing was served
+
+    def drop_failed_writes(self) -> None:
+        """Drop the nodes whose disk write failed (the worker thread only sets `DiskFile.error`).
+        Every step does this first; a reader of the cache's usage between steps may too."""
+        failed = self.store.failed_writes()
+        if failed:
+            for n in failed:
+                self.store.mark_lost(n)
+                self._lost.add(n)
+            self._discard_lost()
 
     def _discard_lost(self) -> None:
         for n in list(self._lost):

@@ -16,7 +16,9 @@ Public step-wise API (what `run()` and the server use; nothing else needs the in
   see `pbkv.engine.sampling`. `Request.finish_reason` says why it ended; `submit(req, prompt_ids)`
   gives explicit token ids instead of the trace mapping (`tokenize`);
 - `cancel(req)`: end a waiting, loading or running request now and free everything it holds;
-- `busy`, `queue_depth`, `running_count`, `requests`, `stats`: read-only views for metrics.
+- `busy`, `queue_depth`, `running_count`, `requests`, `stats`: read-only views for metrics;
+  `drop_failed_writes()`: drop the entries whose disk write failed since the last step (each
+  step does it first; a metrics reader calls it so that an idle engine's usage is current).
 All of it must be called from one thread (the engine's); callbacks run on it, inside `step()`.
 
 Per request: the prompt (trace block ids -> token ids, `tokens.py`) is matched in the tree;

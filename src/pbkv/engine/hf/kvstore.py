@@ -15,7 +15,8 @@ Invariant: every live node has `node.value` = a `KV` with `KV.tier == node.tier`
 disk entry may still be in flight to the file: readers then use the in-memory copy). Moves down
 (eviction) copy device->host at once and write host->disk on the worker thread; moves up
 (loads) are read on the worker thread, handed over with `stage`, and installed when the cache
-completes the move. A node whose data proved unreadable is marked `lost`.
+completes the move. A node whose data proved unreadable is marked `lost`; a node whose disk
+write failed is lost too (`is_lost`), and the engine hears of it (`failed_writes`) to drop it.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class KVStore:
         self._owner = [hold(self.directory)]   # a list: a remade folder gets a new mark (`_write`)
         self._remove = weakref.finalize(self, _remove, str(self.directory), self._owner)
         self.staged: dict[int, torch.Tensor] = {}
+        # (engine thread) disk entries whose write has not succeeded yet: `failed_writes`
+        self._writing: list[tuple[Node, DiskFile]] = []
         self.stats = StoreStats()
         self._names = itertools.count()
 
@@ -124,7 +127,22 @@ class KVStore:
         self.staged[node.id] = kv
 
     def is_lost(self, node: Node) -> bool:
-        return node.value is None or node.value.lost
+        """Whether `node`'s KV cannot be served: unreadable, or its disk write failed."""
+        kv = node.value
+        return kv is None or kv.lost or (kv.file is not None and kv.file.error is not None)
+
+    def failed_writes(self) -> list[Node]:
+        """(engine thread) The live nodes whose disk write failed since the last call: their KV
+        is gone, the engine drops them (the disk space they are counted in is free). Writes
+        still running are kept for a later call."""
+        failed, pending = [], []
+        for node, f in self._writing:
+            if f.data is not None:   # `_write` clears it last, after setting `error`
+                pending.append((node, f))
+            elif f.error is not None and node.alive and node.value is not None and node.value.file is f:
+                failed.append(node)
+        self._writing = pending
+        return failed
 
     def mark_lost(self, node: Node) -> None:
         if node.value is not None:
@@ -195,6 +213,7 @@ class KVStore:
             f = DiskFile(self.directory / f"kv-{next(self._names)}.safetensors", node.tokens,
                          data=self._to_host(data) if data.device.type != "cpu" else data)
             node.value = KV(Tier.DISK, node.tokens, file=f, lost=old.lost)
+            self._writing.append((node, f))
             self.worker.submit(self._write, f)
 
     def split(self, upper: Node, lower: Node) -> None:
@@ -206,6 +225,8 @@ class KVStore:
             old.file.refs += 1
             upper.value = KV(Tier.DISK, k, file=old.file, offset=old.offset, lost=old.lost)
             lower.value = KV(Tier.DISK, lower.tokens, file=old.file, offset=old.offset + k, lost=old.lost)
+            if old.file.data is not None or old.file.error is not None:   # the write runs or failed: both halves
+                self._writing.append((upper, old.file))
             return
         # copies, not views: a view would keep the whole old tensor alive after one half moves
         head, tail = old.data[:, :, :, :k], old.data[:, :, :, k:]
