@@ -43,6 +43,21 @@ def resident(cache: TieredCache) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def lost_load_calls(bs: int) -> list:
+    """Open-loop calls (block size `bs`, for a device of 25 blocks and a host of 6) in which B loads
+    its prefix and loses it before it is served. P (1 block) and Q (4) go to the host under a
+    24-block call; X (4) comes after. At t=5 A (P + 19 blocks, 2 * bs outputs) and B (Q + 1) both
+    load their prefix. A then cannot fit while B pins Q and nothing runs, so B's pin is released;
+    A's room evicts Q (the oldest) to the host, then X, whose room there pushes Q out: B
+    recomputes its whole prompt, 5 blocks (A reuses P's block, loaded from the host)."""
+    from pbkv.trace import Call
+
+    def call(name, prompt, outputs, t):
+        return Call(name, 0, "a", bs * len(prompt), outputs, ids(prompt), t=t)
+    return [call("P", "p", 1, 0.0), call("Q", "qqqq", 1, 1.0), call("big", "b" * 24, 1, 2.0),
+            call("X", "xxxx", 1, 3.0), call("A", "p" + "a" * 19, 2 * bs, 5.0), call("B", "qqqqr", 1, 5.0)]
+
+
 class FakePredictor:
     """A predictor whose answers a test sets by hand: `table[last agent] = (probs, survival)`."""
 

@@ -294,6 +294,22 @@ class Keep(Recorder):
         self.reqs.append(req)
 
 
+def test_a_call_whose_loaded_prefix_was_lost_while_it_waited_counts_it_as_recomputed(lm):
+    """The simulator's case (`lost_load_calls`) on the real engine: B's loaded 16-token prefix is
+    pushed out of both tiers after its pin was released, so B prefills its whole prompt, and its
+    hits say so (it kept the count taken when its load started: 16 from the host)."""
+    from helpers import lost_load_calls
+    wl = Workload("t", Trace(TraceMeta(block_size=BS), lost_load_calls(BS)))
+    engine = make_engine(lm, device=100, host=24)
+    rec = Replay(engine, wl.workflows, None, Keep()).run()
+    b = next(r for r in rec.reqs if r.call.workflow_id == "B")
+    assert (b.device_hit, b.host_hit, b.recomputed, b.cached) == (0, 0, 20, 0)
+    assert engine.stats.loaded_tokens[Tier.HOST] == 4 + 16 and rec.host_hit == 4   # B's load was wasted
+    assert rec.recomputed == engine.stats.computed_tokens == rec.prompt_tokens - 4
+    check(engine)
+    engine.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "kvflow", "pbkv", "oracle"])
 def test_every_policy_serves_exact_outputs_through_evictions_and_reloads(lm, policy):
     from helpers import FakePredictor

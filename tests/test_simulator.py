@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from helpers import lost_load_calls
 from pbkv.bench.run import RunConfig, Workload, simulate
 from pbkv.bench.sweep import Source, SweepConfig, run_sweep
 from pbkv.cache import CacheConfig, Capacities, RadixTree, TieredCache
@@ -178,6 +179,27 @@ def test_a_blocked_queue_unpins_now_rather_than_waiting_for_an_unrelated_event()
                     ttft.append(req.first_token - req.arrival)
         Replay(engine, wl.workflows, None, ByWorkflow()).run()
     assert ttft[0] < 0.1 and ttft[1] == pytest.approx(ttft[0])
+
+
+def test_a_call_whose_loaded_prefix_was_lost_while_it_waited_counts_it_as_recomputed():
+    """B loads its 64-token prefix from the host, its pin is released while A blocks the queue,
+    and the prefix is pushed out of both tiers before B is admitted (`lost_load_calls`): B's
+    prompt is prefilled whole, so its hits and recomputed tokens say so (it kept the hits
+    counted when its load started: 64 from the host, 16 recomputed)."""
+    wl = Workload("t", Trace(TraceMeta(block_size=16), lost_load_calls(16)))
+    engine, _ = simulator(wl, device=400, host=96)
+    served = {}
+
+    class Served(Recorder):
+        def call_finished(self, req):
+            super().call_finished(req)
+            served[req.call.workflow_id] = (req.hits()["device"], req.hits()["host"], req.recomputed,
+                                            req.call.input_length - req.cached)
+    rec = Replay(engine, wl.workflows, None, Served()).run()
+    assert served["B"] == (0, 0, 80, 80) and served["A"] == (0, 16, 304, 304)
+    assert engine.cache.stats.loaded[1] == 16 + 64   # B's load was made, and wasted
+    assert rec.recomputed == sum(c.input_length for c in wl.trace.calls) - 16
+    engine.cache.check()
 
 
 def test_an_arrival_due_exactly_at_a_decode_step_end_costs_no_extra_step():

@@ -2,7 +2,8 @@
 
 Hit rates are fractions of prompt tokens by where their KV came from when the call was served:
 device (already resident, prefetched included), host, disk, and (the real engine with a shared
-directory) shared; the rest was recomputed.
+directory) shared; the rest was recomputed. They are counted when the engine admits the call for
+its prefill, so a prefix the call loaded and then lost while it waited counts as recomputed.
 
 A call the engine ended with "error" (the real engine: its own forward pass raised) is counted in
 `failed` (`first_error` says why) and left out of every other per-call figure: it produced no

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pbkv.cache import Node, Tier, TieredCache
+from pbkv.cache import Move, Node, Tier, TieredCache
 from pbkv.engine.request import HIT_TIERS, SHARED, Request  # noqa: F401  (re-exported)
 from pbkv.policy import CallEvent, Policy, PolicyContext
 
@@ -191,14 +191,26 @@ class EngineBase:
         """Output tokens `req` may produce (admission reserves device space for them)."""
         return req.call.output_length
 
+    def _hold_load(self, req: Request, move: Move, per_tier: list[int]) -> None:
+        """`req` waits for `move`, the load of its prefix's host/disk part (`per_tier`: the prompt
+        tokens it reuses, by tier). Its pin becomes the move's (which also covers the path of a
+        load it held before), and the loaded tokens add to `req.loaded`."""
+        if req.node is not None:
+            self.tree.unlock(req.node)
+        req.move, req.loading, req.node = move, True, move.nodes[-1]
+        host, disk = req.loaded
+        req.loaded = (host + per_tier[Tier.HOST], disk + per_tier[Tier.DISK])
+
     def _unpin_waiting(self) -> bool:
         """Nothing runs and the queue head cannot fit: release the prefixes that queued requests
-        loaded and still pin (they are matched again when admitted). Whether anything was freed."""
+        loaded and still pin (they are matched again when admitted). Whether anything was freed.
+        A released prefix may be evicted before its request is admitted: its loads no longer
+        count as hits (what is still on the device then is a device hit, the rest recomputed)."""
         freed = False
         for req in self._waiting[1:]:
             if req.node is not None and not req.loading:
                 self.tree.unlock(req.node)
-                req.node, freed = None, True
+                req.node, req.loaded, freed = None, (0, 0), True
         self._blocked = self._blocked and not freed
         return freed
 

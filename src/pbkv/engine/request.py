@@ -33,7 +33,10 @@ class Request:
     node: Node | None = None        # deepest locked node of its prompt (the request's pin)
     move: Move | None = None        # pending load of its prefix from host/disk
     loading: bool = False
-    counted: bool = False           # hits are counted once, when the request is first served
+    counted: bool = False           # hits were counted: at its admission for prefill (`count_hits`)
+    # host and disk tokens its own loads moved to the device that its pin (`node`) still holds:
+    # they count as hits of those tiers at admission (a released pin's prefix may be lost meanwhile)
+    loaded: tuple[int, int] = (0, 0)
     reserved: int = 0               # device tokens held: new prompt tokens + outputs
     cached: int = 0                 # prompt tokens whose KV is on the device at prefill
     # measurements (tokens of the prompt by where its KV came from; seconds)
@@ -51,21 +54,15 @@ class Request:
     # what a real engine produced (pbkv.engine.hf: output token ids, logits, hidden state)
     result: object = None
 
-    def count_hits(self, per_tier: list[int]) -> None:
-        """Record where the prompt's KV came from (tokens per tier), once: the first time the
-        request is served; a request that waits and is matched again keeps its first count."""
-        if self.counted:
-            return
+    def count_hits(self, cached: int, shared: int = 0) -> None:
+        """Record where the prompt's KV came from, when the request is admitted for its prefill:
+        `cached` prompt tokens on the device then, of which the `loaded` ones came from host and
+        disk, and `shared` more read from the shared tier. The rest is recomputed: `recomputed`
+        is what the prefill computes, whatever happened to a prefix while the request waited."""
+        host, disk = self.loaded
         self.counted = True
-        self.device_hit, self.host_hit, self.disk_hit = per_tier
-        self.recomputed = self.call.input_length - sum(per_tier)
-
-    def count_shared(self, tokens: int) -> None:
-        """Record prompt tokens loaded from the shared tier (counted once, at the final admission;
-        the local tiers' count may have been taken earlier, when a load started)."""
-        if tokens and not self.shared_hit:
-            self.shared_hit = tokens
-            self.recomputed -= tokens
+        self.device_hit, self.host_hit, self.disk_hit, self.shared_hit = cached - host - disk, host, disk, shared
+        self.recomputed = self.call.input_length - cached - shared
 
     def hits(self) -> dict[str, int]:
         """Prompt tokens whose KV was reused, by tier name (`HIT_TIERS`)."""

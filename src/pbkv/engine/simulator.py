@@ -10,7 +10,8 @@ is taken at the run's start.
 Cache use per request (the same `TieredCache` and `Policy` objects a real engine would use):
 - when the scheduler first serves a request, its prompt is matched; a prefix in host/disk is
   loaded back over the host link (a two-phase move; the request waits, others run: KVFlow's
-  status-aware scheduling); hits are counted per tier at that moment;
+  status-aware scheduling); hits are counted per tier when it is admitted (a loaded prefix
+  counts from its tier only while the request still pins it: `EngineBase._unpin_waiting`);
 - admission reserves device space for the new prompt tokens and the outputs (evicting in the
   policy's order), and pins the matched path; after prefill the new blocks enter the tree;
 - while only decode runs, the policy may prefetch host nodes within the link's budget.
@@ -216,8 +217,7 @@ class Simulator(EngineBase):
             move = self.cache.prepare_load(lower, keep_lock=True)
             if move is None:
                 return BLOCKED
-            req.count_hits(per_tier)
-            req.move, req.loading, req.node = move, True, lower[-1]
+            self._hold_load(req, move, per_tier)
             done_at = self._start_load(lower)
             self.at(done_at, lambda: self._load_done(req))
             return LOADING
@@ -232,7 +232,7 @@ class Simulator(EngineBase):
             if pin is not None:
                 self.tree.unlock(pin)
             return BLOCKED
-        req.count_hits(per_tier)
+        req.count_hits(cached)
         if req.node is not None:  # the pin its load held
             self.tree.unlock(req.node)
         req.node, req.reserved, req.cached, req.admitted = pin, need, cached, self.now

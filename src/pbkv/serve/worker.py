@@ -243,8 +243,8 @@ class EngineWorker:
         if tail and reason != ERROR:
             job.put(tail)
         completion = len(req.result.tokens) if req.result is not None else 0
-        # per-tier hits are the engine's own count, taken when it first served the call; a call
-        # that ended before that (cancelled while it waited for room) served no prompt tokens, so
+        # per-tier hits are the engine's own count, taken when it admitted the call; a call that
+        # ended before that (cancelled while it waited for room or a load) served no prompt tokens, so
         # none are counted: hits + recomputed == prompt tokens, in the metrics as per call
         hits = req.hits()
         prompt = req.call.input_length if req.counted else 0

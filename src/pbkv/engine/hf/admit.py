@@ -89,8 +89,7 @@ class CacheOps:
                 self.tree.unlock(pin)
             return BLOCKED, None
         shared, keys = self._read_shared(req, cached, cap) if promote is None else (None, None)
-        req.count_hits([cached, 0, 0])
-        req.count_shared(0 if shared is None else shared.shape[3])
+        req.count_hits(cached, 0 if shared is None else shared.shape[3])
         if recomputing:
             self.stats.recompute_instead_of_load += 1
         if req.node is not None:  # the pin its completed load held
@@ -132,8 +131,7 @@ class CacheOps:
             if move is not None:
                 over = max(0, device + sum(by_tier) - cap)
                 by_tier[lower[-1].tier] -= over
-                req.count_hits([min(device, cap)] + by_tier[1:])
-                req.move, req.loading, req.node = move, True, lower[-1]
+                self._hold_load(req, move, by_tier)
                 self._start_transfer(move, req)
                 return LOADING, None
         if not busy and device + sum(by_tier) <= req.call.input_length:
@@ -232,7 +230,7 @@ class CacheOps:
         self.cache.abort(t.move)   # the move's pin was the request's (req.node): not unlocked twice
         req = t.req
         if req is not None:
-            req.move, req.loading, req.node, req.counted = None, False, None, False
+            req.move, req.loading, req.node, req.loaded = None, False, None, (0, 0)
 
     def _abort_load(self, req: Request) -> None:
         """`req` (loading its prefix) was cancelled: give its move's space and pin back now."""
@@ -240,9 +238,7 @@ class CacheOps:
         self._transfers.remove(t)
         for n in t.move.nodes:
             self._inflight.pop(n.id, None)
-        self.cache.abort(t.move)  # the move's pin was the request's (req.node): not unlocked twice
-        req.move, req.loading, req.node, req.counted = None, False, None, False
-        req.device_hit = req.host_hit = req.disk_hit = req.recomputed = 0   # nothing was served
+        self._give_back(t)
 
     def drop_failed_writes(self) -> None:
         """Drop the nodes whose disk write failed (the worker thread only sets `DiskFile.error`).
