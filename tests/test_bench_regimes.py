@@ -204,3 +204,17 @@ def test_a_clamped_pressure_is_named_on_the_terminal(tmp_path):
     r = CliRunner().invoke(app, ["bench", "--workload", "hover", "--workflows", "5", "--pressure", "0.001",
                                  "--device-tokens", "5000", "--policies", "lru", "--out", str(tmp_path)])
     assert r.exit_code == 0 and "note:" not in r.output, r.output
+
+
+def test_a_cached_predictor_follows_the_umask(tmp_path):
+    """Before: the cache entry was mkdtemp's folder, 0700: another account sharing $PBKV_CACHE
+    saw no predictor there, trained it again and could not replace the entry."""
+    import os
+    trace = Path(__file__).parent / "data" / "chatdev-mini.jsonl"
+    folder = tmp_path / "predictors" / "entry"
+    old = os.umask(0o022)
+    try:
+        predictors._train_and_save((str(trace),), "fused", predictors.PredictorSource(epochs=1), folder, None)
+    finally:
+        os.umask(old)
+    assert predictors.has_predictor(folder) and folder.stat().st_mode & 0o777 == 0o755

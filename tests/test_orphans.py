@@ -130,6 +130,21 @@ def test_a_full_disk_is_a_write_error_not_a_disk_hit(tmp_path, monkeypatch):
     store.close()
 
 
+def test_a_disk_tier_file_follows_the_umask(tmp_path):
+    """Before: 0600 whatever the umask (safetensors' save_file), unlike every other file pbkv writes."""
+    import torch
+
+    from pbkv.engine.hf.disk import DiskFile, read_file, write_file
+    f = DiskFile(tmp_path / "kv-0.safetensors", 4, data=torch.ones(1, 1, 1, 4, 2))
+    old = os.umask(0o022)
+    try:
+        write_file(f)
+    finally:
+        os.umask(old)
+    assert f.path.stat().st_mode & 0o777 == 0o644
+    assert torch.equal(read_file(f), f.data)
+
+
 def test_a_disk_tier_folder_removed_under_the_server_is_made_again(tmp_path):
     """Before: writes failed for the rest of the server's life, counted nowhere in /metrics."""
     import shutil

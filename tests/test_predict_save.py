@@ -203,3 +203,17 @@ def test_the_same_predictor_saves_to_the_same_bytes(predictor_a, tmp_path):
         save_predictor(p, tmp_path / str(i))
         files.add((live_dir(tmp_path / str(i)) / "model.safetensors").read_bytes())
     assert len(files) == 1
+
+
+def test_a_saved_predictor_follows_the_umask(predictor_a, tmp_path):
+    """Before: model.safetensors was 0600 (safetensors' save_file), the other files 0644: a server
+    under another account read config.json and failed on the weights (Permission denied)."""
+    old = os.umask(0o022)
+    try:
+        save_predictor(load_predictor(predictor_a), tmp_path / "p")
+    finally:
+        os.umask(old)
+    live = live_dir(tmp_path / "p")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in live.iterdir()}
+    assert modes == dict.fromkeys(["config.json", "markov.json", "model.safetensors"], 0o644)
+    assert live.stat().st_mode & 0o777 == 0o755

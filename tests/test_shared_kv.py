@@ -273,3 +273,16 @@ def test_a_folder_that_cannot_be_written_gets_a_warning_at_start_and_is_still_re
     assert warned == [f"the shared KV folder {tmp_path} is not writable (read-only or permission denied): KV "
                       f"is read from it, but none is written there"]   # once per folder
     assert torch.equal(readers[0].get(1), block(1))
+
+
+def test_a_block_file_follows_the_umask(tmp_path):
+    """Other accounts' replicas read the tier: under umask 022 a block file is 0644 (before: 0600,
+    safetensors' save_file, so another account's replica could not read it)."""
+    old = os.umask(0o022)
+    try:
+        s = SharedKVDir(tmp_path, MODEL, 10**9)
+        s.put(1, block(1))
+    finally:
+        os.umask(old)
+    assert s.path(1).stat().st_mode & 0o777 == 0o644
+    assert s.path(1).parent.stat().st_mode & 0o777 == 0o755

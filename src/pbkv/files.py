@@ -92,6 +92,15 @@ def check_writable(folder: Path, output: Path) -> None:
                          f"({e.strerror or e})") from None
 
 
+def write_tensors(path: str | Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Write `tensors` to `path` as a safetensors file (the bytes `save_file` writes) whose mode
+    follows the umask, as every other file pbkv writes (0644 under umask 022): safetensors'
+    `save_file` creates its files 0600 whatever the umask, so another account's process (a
+    server loading a predictor, a replica reading the shared KV tier) could not read them."""
+    from safetensors.torch import save   # here: most commands never write tensors (torch is slow to import)
+    Path(path).write_bytes(save(tensors, metadata=metadata))
+
+
 def _temporary_name(path: Path, pid: int | str, tag: str) -> str:
     return f".{path.name}.{pid}-{tag}{path.suffix}"
 

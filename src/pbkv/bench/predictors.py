@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,7 +246,10 @@ def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> s
     predictor = train_predictor(traces, progress=progress, **kwargs)
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    # made with mkdir, not mkdtemp: the entry gets the umask's mode (mkdtemp's 0700 would hide it
+    # from other accounts sharing $PBKV_CACHE, which would train it again and fail to replace it)
+    tmp = folder.parent / f"{folder.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
     save_predictor(predictor, tmp)  # whole or nothing: a concurrent or killed run never sees half
     if folder.exists():
         shutil.rmtree(folder, ignore_errors=True)

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from safetensors.torch import save_file
 
 from pbkv.engine.kvfile import CorruptKV, load_kv, tensor_sha256
+from pbkv.files import write_tensors
 
 FORMAT = "pbkv-shared-kv"
 SUFFIX = ".safetensors"
@@ -131,7 +131,7 @@ class SharedKVDir:
         meta = {"format": FORMAT, "key": self.key(block_hash), "model": self.model_id,
                 "sha256": tensor_sha256(data), "shape": json.dumps(list(data.shape))}
         try:
-            save_file({"kv": data}, str(tmp), metadata=meta)
+            write_tensors(tmp, {"kv": data}, metadata=meta)   # umask mode: other accounts' replicas read it
             size = tmp.stat().st_size   # the whole file, header included: what `evict` counts
             scan = self._unscanned + size > self.scan_every
             if scan:

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+from pbkv.files import write_tensors
 from pbkv.predict import store
 from pbkv.predict.history import merge_with_live, write_history
 from pbkv.predict.base import UNK, Prediction, monotone_survival, normalise_rows
@@ -123,7 +124,7 @@ def _write_files(p: NeuralPredictor, path: Path) -> None:
     state = {k: v.detach().contiguous().clone() for k, v in p.net.state_dict().items()}
     # one metadata key: safetensors writes a map's keys in a random order, so two saves of the same
     # weights differed in their header bytes (the version is config.json's, which loading checks)
-    save_file(state, str(path / "model.safetensors"), metadata={"format": f"{FORMAT} {VERSION}"})
+    write_tensors(path / "model.safetensors", state, metadata={"format": f"{FORMAT} {VERSION}"})
     store.on_step("model.safetensors")
     f = p.cfg.features
     config = {
