@@ -111,6 +111,18 @@ def test_non_finite_weights_are_refused_naming_file_and_tensor(saved, tmp_path, 
         load_predictor(folder)
 
 
+@pytest.mark.parametrize("dtype", ["int32", "bool", "float16"])
+def test_weights_of_another_dtype_are_refused_naming_file_tensor_and_dtype(saved, tmp_path, dtype):
+    """Before: load_state_dict cast them to float32 and predict-eval scored the collapsed network."""
+    import torch
+
+    def edit(state):
+        state.update({k: v.to(getattr(torch, dtype)) for k, v in state.items()})
+    folder = with_weights(saved, tmp_path, edit)
+    with pytest.raises(PredictorLoadError, match=rf"model.safetensors: tensor \S+ has dtype {dtype}, expected float32"):
+        load_predictor(folder)
+
+
 def test_a_weight_shape_mismatch_names_tensor_both_shapes_and_config_field(saved, tmp_path):
     folder = shutil.copytree(saved, tmp_path / "m")
     path = live_dir(folder) / "config.json"

@@ -212,7 +212,9 @@ SHAPED_BY = {
 def _state_problem(state: dict, net: PredictorNet, mcfg: ModelConfig) -> str | None:
     """What stops `state` (model.safetensors' tensors) from fitting the network config.json
     describes, naming tensors, shapes and the config fields behind them; None when it fits.
-    torch's own message names none of these (its first line is a bare header)."""
+    torch's own message names none of these (its first line is a bare header). Each tensor has
+    the network's dtype (float32, as `_write_files` saves it): `load_state_dict` would cast
+    integer or bool tensors to float without a word, and predict with the collapsed weights."""
     expected = net.state_dict()
     missing = [k for k in expected if k not in state]
     extra = [k for k in state if k not in expected]
@@ -225,7 +227,13 @@ def _state_problem(state: dict, net: PredictorNet, mcfg: ModelConfig) -> str | N
         if tuple(got.shape) != tuple(want.shape):
             return (f"tensor {name} has shape {list(got.shape)}, config.json ({_fields(name, mcfg)}) "
                     f"expects {list(want.shape)}")
+        if got.dtype != want.dtype:
+            return f"tensor {name} has dtype {_dtype(got)}, expected {_dtype(want)} (the network's)"
     return None
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _names(keys: list[str]) -> str:
