@@ -1,6 +1,6 @@
-"""A hand-edited predictor folder is validated at load: a negative or non-finite Markov count or
-`alpha`, a NaN, zero or missing temperature is refused with the file, the field and the value,
-instead of loading and silently changing the accuracy figures."""
+"""A hand-edited predictor folder is validated at load: a negative, non-finite or overflowing
+Markov count or `alpha`, a NaN, zero, subnormal or missing temperature is refused with the file,
+the field and the value, instead of loading and silently changing the accuracy figures."""
 
 from __future__ import annotations
 
@@ -48,22 +48,27 @@ def set_temperature(key, value):
 
 
 @pytest.mark.parametrize("name, edit, message", [
-    ("markov.json", set_count(-50), r"field 'counts': expected finite numbers >= 0, got -50.0 at row 0, column 3"),
-    ("markov.json", set_count(float("nan")), r"field 'counts': expected finite numbers >= 0, got nan at row 0"),
-    ("markov.json", set_count(float("inf")), r"field 'counts': expected finite numbers >= 0, got inf at row 0"),
-    ("markov.json", lambda d: d.update(alpha=-0.5), r"field 'alpha': expected a finite number >= 0, got -0.5"),
-    ("markov.json", lambda d: d.update(alpha=float("nan")), r"field 'alpha': expected a finite number >= 0, got nan"),
-    ("markov.json", lambda d: d.update(alpha="1"), r"field 'alpha': expected a finite number >= 0, got '1'"),
+    ("markov.json", set_count(-50), r"field 'counts': expected numbers from 0 to 1e\+15, got -50.0 at row 0, column 3"),
+    ("markov.json", set_count(float("nan")), r"field 'counts': expected numbers from 0 to 1e\+15, got nan at row 0"),
+    ("markov.json", set_count(float("inf")), r"field 'counts': expected numbers from 0 to 1e\+15, got inf at row 0"),
+    ("markov.json", set_count(1e308), r"field 'counts': expected numbers from 0 to 1e\+15, got 1e\+308 at row 0"),
+    ("markov.json", lambda d: d.update(alpha=-0.5), r"field 'alpha': expected a number from 0 to 1e\+15, got -0.5"),
+    ("markov.json", lambda d: d.update(alpha=float("nan")), r"field 'alpha': expected a number from 0 to 1e\+15, got nan"),
+    ("markov.json", lambda d: d.update(alpha=1e308), r"field 'alpha': expected a number from 0 to 1e\+15, got 1e\+308"),
+    ("markov.json", lambda d: d.update(alpha="1"), r"field 'alpha': expected a number from 0 to 1e\+15, got '1'"),
     ("markov.json", lambda d: d.update(horizon=2.5), r"field 'horizon': expected an integer >= 1, got 2.5"),
     ("config.json", set_temperature("agent", float("nan")),
-     r"field 'temperature.agent': expected 3 finite numbers > 0, got \[nan, "),
-    ("config.json", set_temperature("continue", 0), r"field 'temperature.continue': expected 3 finite numbers > 0"),
-    ("config.json", set_temperature("agent", float("inf")), r"field 'temperature.agent': expected 3 finite"),
-    ("config.json", lambda d: d["temperature"]["agent"].pop(), r"field 'temperature.agent': expected 3 finite"),
+     r"field 'temperature.agent': expected 3 numbers from 0.001 to 1000, got \[nan, "),
+    ("config.json", set_temperature("continue", 0), r"field 'temperature.continue': expected 3 numbers from 0.001"),
+    ("config.json", set_temperature("agent", float("inf")), r"field 'temperature.agent': expected 3 numbers"),
+    ("config.json", set_temperature("agent", 1e-320), r"field 'temperature.agent': expected 3 numbers .*, got \[1e-320, "),
+    ("config.json", set_temperature("continue", 1e4), r"field 'temperature.continue': expected 3 numbers .*, got \[10000.0, "),
+    ("config.json", lambda d: d["temperature"]["agent"].pop(), r"field 'temperature.agent': expected 3 numbers"),
     ("config.json", lambda d: d["temperature"].pop("continue"),
-     r"field 'temperature.continue': expected 3 finite numbers > 0, got None"),
-], ids=["count-negative", "count-nan", "count-inf", "alpha-negative", "alpha-nan", "alpha-string", "horizon-float",
-        "temperature-nan", "temperature-zero", "temperature-inf", "temperature-short", "temperature-missing"])
+     r"field 'temperature.continue': expected 3 numbers from 0.001 to 1000, got None"),
+], ids=["count-negative", "count-nan", "count-inf", "count-overflowing", "alpha-negative", "alpha-nan",
+        "alpha-overflowing", "alpha-string", "horizon-float", "temperature-nan", "temperature-zero",
+        "temperature-inf", "temperature-subnormal", "temperature-huge", "temperature-short", "temperature-missing"])
 def test_a_bad_edited_field_is_refused_at_load_naming_file_field_value(saved, tmp_path, name, edit, message):
     folder = edited(saved, tmp_path, name, edit)
     with pytest.raises(PredictorLoadError, match=f"{name}: .*{message}"):
@@ -80,13 +85,13 @@ def test_predict_eval_refuses_a_negative_count_with_exit_2(saved, tmp_path):
     r = CliRunner().invoke(app, ["predict-eval", "--predictor", str(folder), "--trace", str(TRACE)])
     out = " ".join(r.output.split())
     assert r.exit_code == 2, r.output
-    assert "markov.json: not a valid Markov model (field 'counts': expected finite numbers >= 0, got -50.0" in out
+    assert "markov.json: not a valid Markov model (field 'counts': expected numbers from 0 to 1e+15, got -50.0" in out
 
 
 def test_markov_constructor_keeps_the_invariants():
     with pytest.raises(ValueError, match=r"field 'counts': .* got -1.0 at row 1, column 0"):
         MarkovPredictor(["a"], np.array([[0, 0, 0], [-1, 0, 0], [0, 0, 0]]))
-    with pytest.raises(ValueError, match=r"field 'alpha': expected a finite number >= 0, got inf"):
+    with pytest.raises(ValueError, match=r"field 'alpha': expected a number from 0 to 1e\+15, got inf"):
         MarkovPredictor(["a"], np.zeros((3, 3)), alpha=float("inf"))
     assert MarkovPredictor(["a"], np.zeros((3, 3)), alpha=0.0).alpha == 0.0  # alpha 0: no smoothing, allowed
 

@@ -20,13 +20,19 @@ from pbkv.trace import Trace
 from pbkv.trace.io import show_value
 
 FORMAT = "pbkv-markov"
+# The largest count or `alpha` accepted: a row's sum of counts + alpha overflows to infinity near
+# 1e308 (NaN or flat rows), far above any count of transitions; below 2**53 a count is also an
+# exact integer, as `to_dict` saves it.
+MAX_COUNT = 1e15
+ALPHA_EXPECTED = f"field 'alpha': expected a number from 0 to {MAX_COUNT:g}"
 
 
 class MarkovPredictor:
     """Transition counts `counts[from, to]`: from = agents, UNK, START; to = agents, UNK, END.
 
     Invariants (checked here, so a hand-edited `markov.json` cannot slip through): every count
-    is a finite number >= 0 and `alpha` is a finite number >= 0, so each row is a distribution."""
+    and `alpha` is a number from 0 to `MAX_COUNT`, so each row is a distribution (its sum is
+    finite)."""
 
     name = "markov"
 
@@ -38,8 +44,8 @@ class MarkovPredictor:
         if counts.shape != (n + 2, n + 2):
             raise ValueError(f"counts must have shape {(n + 2, n + 2)}, got {counts.shape}")
         _check_counts(counts)
-        if not 0 <= alpha < float("inf"):
-            raise ValueError(f"field 'alpha': expected a finite number >= 0, got {alpha!r}")
+        if not 0 <= alpha <= MAX_COUNT:
+            raise ValueError(f"{ALPHA_EXPECTED}, got {alpha!r}")
         self.agents, self.horizon, self.alpha = list(agents), horizon, float(alpha)
         self.counts = counts
         self.index = {a: i for i, a in enumerate(self.agents)}
@@ -91,7 +97,7 @@ class MarkovPredictor:
         if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 1:
             raise ValueError(f"field 'horizon': expected an integer >= 1, got {horizon!r}")
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            raise ValueError(f"field 'alpha': expected a finite number >= 0, got {alpha!r}")
+            raise ValueError(f"{ALPHA_EXPECTED}, got {alpha!r}")
         return cls(check_agents(d["agents"]), np.array(d["counts"], dtype=np.float64), horizon, float(alpha))
 
     def save(self, path: str | Path) -> None:
@@ -128,11 +134,11 @@ def check_agents(agents, where: str = "agents") -> list[str]:
 
 
 def _check_counts(counts: np.ndarray) -> None:
-    """Raise ValueError naming the first count that is negative, infinite or NaN."""
-    bad = np.argwhere(~(np.isfinite(counts) & (counts >= 0)))
+    """Raise ValueError naming the first count that is negative, above `MAX_COUNT` or NaN."""
+    bad = np.argwhere(~((counts >= 0) & (counts <= MAX_COUNT)))
     if len(bad):
         i, j = bad[0]
-        raise ValueError(f"field 'counts': expected finite numbers >= 0, got {float(counts[i, j])!r} "
+        raise ValueError(f"field 'counts': expected numbers from 0 to {MAX_COUNT:g}, got {float(counts[i, j])!r} "
                          f"at row {i}, column {j}")
 
 

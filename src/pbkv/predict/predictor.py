@@ -30,6 +30,9 @@ from pbkv.trace.io import show_value
 
 FORMAT, VERSION = "pbkv-predictor", 1
 CHUNK = 1024  # rows per forward pass in predict_batch (bounds memory on long traces)
+# The temperatures config.json may hold: training fits 0.25 to 8 (`train.TEMPERATURES`); dividing
+# the logits by a tiny one (1e-320 is finite and > 0) overflows to infinity, so NaN probabilities.
+TEMPERATURES = (1e-3, 1e3)
 
 
 class PredictorLoadError(ValueError):
@@ -292,15 +295,18 @@ def _check_info(info) -> dict:
 
 
 def _check_temperatures(temp, horizon: int) -> None:
-    """`temperature.agent` and `temperature.continue` each hold `horizon` finite numbers > 0 (the
-    logits of step k are divided by the k-th): raise ValueError naming the field and the value."""
+    """`temperature.agent` and `temperature.continue` each hold `horizon` numbers in `TEMPERATURES`
+    (the logits of step k are divided by the k-th): raise ValueError naming the field and the value."""
     if not isinstance(temp, dict):
         raise ValueError(f"field 'temperature': expected an object with 'agent' and 'continue', got {temp!r}")
     for key in ("agent", "continue"):
         values = temp.get(key)
-        if not (isinstance(values, list) and len(values) == horizon and all(map(_positive_finite, values))):
-            raise ValueError(f"field 'temperature.{key}': expected {horizon} finite numbers > 0, got {values!r}")
+        if not (isinstance(values, list) and len(values) == horizon and all(map(_temperature, values))):
+            low, high = TEMPERATURES
+            raise ValueError(f"field 'temperature.{key}': expected {horizon} numbers from {low:g} to {high:g}, "
+                             f"got {values!r}")
 
 
-def _positive_finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
+def _temperature(v) -> bool:
+    low, high = TEMPERATURES
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high
