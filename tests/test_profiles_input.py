@@ -182,3 +182,21 @@ def test_a_profile_key_written_twice_is_refused(tmp_path):
     (tmp_path / "twice.json").write_text(text)
     with pytest.raises(ValueError, match=r"twice.json: not valid JSON: duplicate key 'step_overhead_ms'"):
         load_profile(str(tmp_path / "twice.json"))
+
+
+def test_a_profile_nested_too_deeply_is_refused_naming_the_file(tmp_path):
+    """Before: a bare RecursionError (exit 1), naming no file."""
+    path = tmp_path / "deep.json"
+    path.write_text('{"notes": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"deep.json: not valid JSON \(nested too deeply\)$"):
+        load_profile(str(path))
+
+
+def test_a_profile_without_kv_memory_names_the_file_and_the_fields(tmp_path):
+    """Before: 'profile a6000-qwen3-32b: weights and reserve leave no KV memory', naming the
+    built-in the file was copied from (its `name`), not the file or the fields."""
+    profile = load_profile(str(profile_with(tmp_path, "model.params_b", 200.0)))
+    with pytest.raises(ValueError, match=r"p.json: model.params_b 200 x model.dtype_bytes 2 \(400 GB of weights over "
+                       r"gpu.count 4 GPUs\) and reserve_gib 3 leave no KV memory in gpu.memory_gib 48 x "
+                       r"mem_fraction 0.9 per GPU$"):
+        profile.device_tokens

@@ -15,7 +15,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from pbkv import unique_json
 from pbkv.files import read_text
@@ -99,6 +99,9 @@ class Profile(BaseModel):
     max_running: int = Field(256, gt=0, description="requests decoding at once")
     host_ratio: float = Field(2.0, ge=0, le=1e6, description="host KV tokens = ratio x device KV tokens")
     disk_tokens: int = Field(0, ge=0)
+    # where it was read from (`profile_from_data`), named in errors: a copied file's `name` is
+    # the profile it was copied from
+    _where: str | None = PrivateAttr(None)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -113,10 +116,14 @@ class Profile(BaseModel):
     @property
     def device_tokens(self) -> int:
         """KV capacity: GPU memory x fraction - weights - reserve, over bytes per token."""
-        g = self.gpu
+        g, m = self.gpu, self.model
         per_gpu = g.memory_gib * GIB * self.mem_fraction - self.weight_bytes / g.count - self.reserve_gib * GIB
         if per_gpu <= 0:
-            raise ValueError(f"profile {self.name}: weights and reserve leave no KV memory")
+            over, per = (f" over gpu.count {g.count} GPUs", " per GPU") if g.count > 1 else ("", "")
+            raise ValueError(f"{self._where or f'profile {self.name}'}: model.params_b {m.params_b:g} x "
+                             f"model.dtype_bytes {m.dtype_bytes} ({self.weight_bytes / 1e9:g} GB of weights{over}) "
+                             f"and reserve_gib {self.reserve_gib:g} leave no KV memory in gpu.memory_gib "
+                             f"{g.memory_gib:g} x mem_fraction {self.mem_fraction:g}{per}")
         return int(per_gpu * g.count // self.kv_bytes_per_token)
 
     @property
@@ -148,6 +155,8 @@ def load_profile(name_or_path: str) -> Profile:
         raise ValueError(f"{where}: not valid JSON: duplicate key {e.key!r} (which one counts is left to chance)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
     return profile_from_data(data, where)
 
 
@@ -157,9 +166,11 @@ def profile_from_data(data, where: str) -> Profile:
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
     try:
-        return Profile.model_validate(data)
+        profile = Profile.model_validate(data)
     except ValidationError as e:
         raise ValueError(f"{where}: {_first_error(e)}") from None
+    profile._where = where
+    return profile
 
 
 def _first_error(e: ValidationError) -> str:
