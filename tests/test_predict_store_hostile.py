@@ -149,7 +149,7 @@ def test_serve_without_online_learning_neither_needs_nor_does_a_write(predictor,
     with pytest.raises(ValueError, match=r"\.lock: is a folder.*pass --no-online to serve it read-only"):
         build_policy("pbkv", 16, predictor_dir=store_dir, online=True)
     setup = build_policy("pbkv", 16, predictor_dir=store_dir, online=False)
-    assert setup.loaded and setup.history == FLOWS
+    assert setup.loaded and setup.history == []   # the learning history is not even read
     assert finish_learning(setup) is None and setup.save_error is None
     assert snapshot(store_dir) == before and versions(store_dir) == ["v000001"]
 

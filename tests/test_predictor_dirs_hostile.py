@@ -232,6 +232,16 @@ def test_a_lone_surrogate_in_the_history_is_a_start_up_error(folder, rows, messa
         build_policy("pbkv", 16, predictor_dir=folder, online=True)
 
 
+def test_read_only_serving_never_reads_the_history(folder):
+    """Before: `--no-online`, which learns nothing from it, refused to start on a damaged
+    workflows.json; a learning server still refuses it (its saves would drop that traffic)."""
+    write_history_text(folder, '{"format": "pbkv-workflows", "workflows": [[]]}')
+    setup = build_policy("pbkv", 16, predictor_dir=folder, online=False)
+    assert setup.loaded and setup.history == [] and setup.learner is None
+    with pytest.raises(ValueError, match=r"workflows.json: workflows.0: expected a non-empty list"):
+        build_policy("pbkv", 16, predictor_dir=folder, online=True)
+
+
 def test_a_deeply_nested_history_is_a_start_up_error(folder):
     write_history_text(folder, '{"format": "pbkv-workflows", "workflows": ' + "[" * 100_000 + "]" * 100_000 + "}")
     with pytest.raises(ValueError, match=r"workflows.json: not JSON \(nested too deeply\)"):

@@ -15,7 +15,8 @@
   window's workflows (`pbkv.predict.history`): the next server on that folder starts its
   window with them, so learning goes on across restarts;
 - with `--no-online` nothing is learned, so nothing is saved: `--predictor` is only read (it may
-  be read-only) and restarts never add versions that would rotate older ones out.
+  be read-only; its learning history, `workflows.json`, is not read at all) and restarts never
+  add versions that would rotate older ones out.
 Policies that read a trace's future (the oracle) cannot serve: a server has no future.
 """
 
@@ -272,7 +273,7 @@ def build_policy(name: str, block_size: int, predictor_dir: str | Path | None = 
     predictors, loaded, history = {}, False, []
     if variant is not None:
         if predictor_dir is not None and has_predictor(predictor_dir):
-            predictors[variant], history = load_with_history(predictor_dir)
+            predictors[variant], history = load_with_history(predictor_dir, online)
             require_variant(predictors[variant], variant, name, f"--predictor {predictor_dir}")
             loaded, horizon = True, predictors[variant].horizon
         elif predictor_dir is not None and not online:   # a typo: nothing would ever be loaded or saved
@@ -307,14 +308,17 @@ def check_saving_target(predictor_dir: Path) -> None:
                          f"it read-only, or copy it to a writable folder)") from None
 
 
-def load_with_history(predictor_dir: Path):
+def load_with_history(predictor_dir: Path, with_history: bool = True):
     """(predictor, the workflows saved with it), both from one version: the live folder is
     resolved once, so a save by another server in between cannot pair them across versions.
+    Without `with_history` (a server that does not learn: they are its learning window only) the
+    workflows are [] and never read, so a damaged `workflows.json` does not stop read-only
+    serving; a learning server refuses it at start (its saves would drop that traffic).
     Raises ValueError naming the file."""
     from pbkv.predict.predictor import PredictorLoadError, load_predictor
     try:
         live = live_dir(predictor_dir)
-        return load_predictor(live), read_history(live)
+        return load_predictor(live), read_history(live) if with_history else []
     except (PredictorLoadError, OSError) as e:
         raise ValueError(str(e)) from None
 
