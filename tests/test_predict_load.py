@@ -66,12 +66,31 @@ def set_temperature(key, value):
     ("config.json", lambda d: d["temperature"]["agent"].pop(), r"field 'temperature.agent': expected 3 numbers"),
     ("config.json", lambda d: d["temperature"].pop("continue"),
      r"field 'temperature.continue': expected 3 numbers from 0.001 to 1000, got None"),
+    ("config.json", lambda d: d.update(horizon=5), r"field 'horizon' is 5, model.horizon is 3"),
+    ("config.json", lambda d: d.update(variant="history"), r"field 'variant' is 'history', model.variant is 'fused'"),
+    ("config.json", lambda d: d["hashing"].update(buckets=8), r"field 'hashing.buckets' is 8, model.features.buckets is 4096"),
+    ("config.json", lambda d: d["hashing"].update(method="md5"),
+     r"field 'hashing.method' is 'md5', expected 'zlib.crc32 % buckets'"),
+    ("config.json", lambda d: d.update(hashing=[]), r"field 'hashing': expected an object, got \[\]"),
 ], ids=["count-negative", "count-nan", "count-inf", "count-overflowing", "alpha-negative", "alpha-nan",
         "alpha-overflowing", "alpha-string", "horizon-float", "temperature-nan", "temperature-zero",
-        "temperature-inf", "temperature-subnormal", "temperature-huge", "temperature-short", "temperature-missing"])
+        "temperature-inf", "temperature-subnormal", "temperature-huge", "temperature-short", "temperature-missing",
+        "copy-horizon", "copy-variant", "copy-buckets", "copy-method", "copy-hashing-not-object"])
 def test_a_bad_edited_field_is_refused_at_load_naming_file_field_value(saved, tmp_path, name, edit, message):
     folder = edited(saved, tmp_path, name, edit)
     with pytest.raises(PredictorLoadError, match=f"{name}: .*{message}"):
+        load_predictor(folder)
+
+
+@pytest.mark.parametrize("name, key", [("config.json", "dropout"), ("markov.json", "alpha")])
+def test_a_key_written_twice_is_refused_naming_it(saved, tmp_path, name, key):
+    """Before: json.loads kept the last value without a word (profiles and spec files refuse it)."""
+    folder = shutil.copytree(saved, tmp_path / "m")
+    path = live_dir(folder) / name
+    text = path.read_text()
+    at = text.index(f'"{key}"')
+    path.write_text(text[:at] + f'"{key}": 0.2, ' + text[at:])
+    with pytest.raises(PredictorLoadError, match=rf"{name}: .*\(duplicate key '{key}': line"):
         load_predictor(folder)
 
 
@@ -132,7 +151,7 @@ def test_a_weight_shape_mismatch_names_tensor_both_shapes_and_config_field(saved
     folder = shutil.copytree(saved, tmp_path / "m")
     path = live_dir(folder) / "config.json"
     data = json.loads(path.read_text())
-    data["model"]["features"]["buckets"] = 8
+    data["model"]["features"]["buckets"] = data["hashing"]["buckets"] = 8   # config.json agrees with itself
     path.write_text(json.dumps(data))
     with pytest.raises(PredictorLoadError, match=r"model.safetensors: tensor text.weight has shape \[4097, 32\], "
                        r"config.json \(model.features.buckets 8, model.dim 32\) expects \[9, 32\]"):

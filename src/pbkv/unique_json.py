@@ -1,6 +1,7 @@
 """JSON that refuses a key written twice: `json.loads` keeps the last one silently, so a value
 corrected above a stale one would be lost without a word. Used for the small files a user writes
-by hand (spec files, profiles); the error names the line of the repeated key.
+by hand (spec files, profiles, a predictor's config.json and markov.json); the error names the
+line of the repeated key.
 
 This module sits below every layer (it imports nothing from pbkv).
 """

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pbkv import unique_json
 from pbkv.predict.base import UNK, Prediction, check_agent_names, monotone_survival, normalise_rows
 from pbkv.trace import Trace
 from pbkv.trace.io import show_value
@@ -109,7 +110,7 @@ class MarkovPredictor:
         if path.exists() and not path.is_file():   # a folder, or a FIFO that would block the read
             raise ValueError(f"{path}: not a file")
         try:
-            return cls.from_dict(json.loads(path.read_text()))
+            return cls.from_dict(unique_json.loads(path.read_text()))   # a key written twice: refused
         except FileNotFoundError:
             raise ValueError(f"{path}: no such Markov model file") from None
         except RecursionError:

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from pbkv import unique_json
 from pbkv.files import write_tensors
 from pbkv.predict import store
 from pbkv.predict.history import merge_with_live, write_history
@@ -129,14 +130,12 @@ def _write_files(p: NeuralPredictor, path: Path) -> None:
     # weights differed in their header bytes (the version is config.json's, which loading checks)
     write_tensors(path / "model.safetensors", state, metadata={"format": f"{FORMAT} {VERSION}"})
     store.on_step("model.safetensors")
-    f = p.cfg.features
+    copies = _copies(p.cfg)
     config = {
-        "format": FORMAT, "version": VERSION, "agents": p.agents, "horizon": p.horizon,
-        "variant": p.cfg.variant, "model": p.cfg.to_dict(),
+        "format": FORMAT, "version": VERSION, "agents": p.agents, "horizon": copies["horizon"],
+        "variant": copies["variant"], "model": p.cfg.to_dict(),
         "temperature": {"agent": p.t_agent.tolist(), "continue": p.t_cont.tolist()},
-        "hashing": {"method": "zlib.crc32 % buckets", "tokens": WORD.pattern, "lowercase": True,
-                    "buckets": f.buckets, "max_chars": f.max_chars, "max_tokens": f.max_tokens},
-        "info": p.info,
+        "hashing": copies["hashing"], "info": p.info,
     }
     (path / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     store.on_step("config.json")
@@ -160,7 +159,7 @@ def load_predictor(path: str | Path) -> NeuralPredictor:
         if not p.is_file():
             raise PredictorLoadError(f"{p}: missing (not a saved predictor directory?)")
     try:
-        mcfg, agents, temp, info = _check_config(json.loads(cfg_path.read_text()))
+        mcfg, agents, temp, info = _check_config(unique_json.loads(cfg_path.read_text()))
     except RecursionError:
         raise PredictorLoadError(f"{cfg_path}: invalid config (JSON nested too deeply)") from None
     except (ValueError, KeyError, TypeError) as e:
@@ -273,12 +272,44 @@ def _check_config(config) -> tuple[ModelConfig, list[str], dict, dict]:
     if config.get("version") != VERSION:
         raise ValueError(f"version {config.get('version')!r} is not supported (expected {VERSION})")
     mcfg = ModelConfig.from_dict(config.get("model"))
+    _check_copies(config, mcfg)
     agents = check_agents(config.get("agents"))
     if len(agents) != mcfg.n_agents:
         raise ValueError(f"{len(agents)} agents but the model has {mcfg.n_agents}")
     temp = config.get("temperature")
     _check_temperatures(temp, mcfg.horizon)
     return mcfg, agents, temp, _check_info(config.get("info"))
+
+
+# config.json's copies of model fields (`_copies`) and the field each one copies
+COPIED_FROM = {"horizon": "model.horizon", "variant": "model.variant", "hashing.buckets": "model.features.buckets",
+               "hashing.max_chars": "model.features.max_chars", "hashing.max_tokens": "model.features.max_tokens"}
+
+
+def _copies(cfg: ModelConfig) -> dict:
+    """The fields config.json repeats for its readers: the top-level `horizon` and `variant`, and
+    `hashing` (how context text is hashed: fixed, or copied from `model.features`)."""
+    f = cfg.features
+    return {"horizon": cfg.horizon, "variant": cfg.variant,
+            "hashing": {"method": "zlib.crc32 % buckets", "tokens": WORD.pattern, "lowercase": True,
+                        "buckets": f.buckets, "max_chars": f.max_chars, "max_tokens": f.max_tokens}}
+
+
+def _check_copies(config: dict, mcfg: ModelConfig) -> None:
+    """Each of `_copies`' fields present in `config` equals the model's: only `model` counts at
+    load, so a copy edited by hand (`"horizon": 5` beside `model.horizon` 3) would be ignored
+    without a word. Raise ValueError naming the field, its value and what it copies."""
+    want = _copies(mcfg)
+    hashing = config.get("hashing", want["hashing"])
+    if not isinstance(hashing, dict):
+        raise ValueError(f"field 'hashing': expected an object, got {show_value(hashing)}")
+    pairs = [(k, config.get(k, v), v) for k, v in want.items() if k != "hashing"]
+    pairs += [(f"hashing.{k}", hashing.get(k, v), v) for k, v in want["hashing"].items()]
+    for name, got, expected in pairs:
+        if got != expected or type(got) is not type(expected):
+            source = COPIED_FROM.get(name)
+            said = f"{source} is {show_value(expected)}" if source else f"expected {show_value(expected)}"
+            raise ValueError(f"field '{name}' is {show_value(got)}, {said}")
 
 
 def _check_info(info) -> dict:
