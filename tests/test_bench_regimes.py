@@ -218,3 +218,26 @@ def test_a_cached_predictor_follows_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert predictors.has_predictor(folder) and folder.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_file_in_place_of_a_cached_predictor_is_replaced(tmp_path, monkeypatch):
+    """Before: rmtree(ignore_errors) left the file, the rename failed and was taken for "another
+    run finished first": the predictor just trained was thrown away and bench failed, every run."""
+    from pbkv.predict import train
+    from pbkv.trace import read_trace
+    trace = Path(__file__).parent / "data" / "chatdev-mini.jsonl"
+    trained = train.train_predictor(read_trace(trace), epochs=1, seed=0)
+    monkeypatch.setattr(train, "train_predictor", lambda traces, progress=None, **kwargs: trained)
+    folder = tmp_path / "predictors" / "entry"
+    folder.parent.mkdir()
+    folder.write_text("")                          # an empty file left in the entry's place
+    predictors._train_and_save((str(trace),), "fused", predictors.PredictorSource(), folder, None)
+    assert predictors.has_predictor(folder)
+    # a rename that fails with no predictor there afterwards is an error naming the entry
+    def refused(self, target):
+        raise OSError(13, "Permission denied")
+    (tmp_path / "other").write_text("")
+    monkeypatch.setattr(Path, "rename", refused)
+    with pytest.raises(OSError, match=rf"{tmp_path / 'other'}: cannot put the predictor just trained in place"):
+        predictors._train_and_save((str(trace),), "fused", predictors.PredictorSource(), tmp_path / "other", None)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("other.")] == []   # its temporary folder is gone

@@ -251,13 +251,25 @@ def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> s
     tmp = folder.parent / f"{folder.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     save_predictor(predictor, tmp)  # whole or nothing: a concurrent or killed run never sees half
-    if folder.exists():
-        shutil.rmtree(folder, ignore_errors=True)
+    _remove_entry(folder)
     try:
         tmp.rename(folder)
-    except OSError:  # another run finished the same entry first: keep theirs
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not has_predictor(folder):   # not another run's entry, finished first (then: keep theirs)
+            raise OSError(f"{folder}: cannot put the predictor just trained in place ({e.strerror or e}); "
+                          f"delete {folder} and run again") from None
     return str(folder)
+
+
+def _remove_entry(folder: Path) -> None:
+    """Remove what holds a cache entry's name before the new one is renamed onto it: an older
+    predictor folder, or a file or symlink left there (a full disk, a sync tool), which rmtree
+    would leave in place, failing the rename on every run."""
+    if folder.is_dir() and not folder.is_symlink():
+        shutil.rmtree(folder, ignore_errors=True)
+    elif os.path.lexists(folder):
+        folder.unlink(missing_ok=True)
 
 
 _loaded: dict[str, object] = {}
