@@ -130,8 +130,9 @@ def test_a_full_disk_is_a_write_error_not_a_disk_hit(tmp_path, monkeypatch):
     store.close()
 
 
-def test_a_disk_tier_file_follows_the_umask(tmp_path):
-    """Before: 0600 whatever the umask (safetensors' save_file), unlike every other file pbkv writes."""
+def test_a_disk_tier_file_is_private_to_the_process(tmp_path):
+    """A private tier holds users' prompts as KV: 0600 whatever the umask (the shared tier's files
+    follow the umask: other accounts' replicas read them)."""
     import torch
 
     from pbkv.engine.hf.disk import DiskFile, read_file, write_file
@@ -141,7 +142,7 @@ def test_a_disk_tier_file_follows_the_umask(tmp_path):
         write_file(f)
     finally:
         os.umask(old)
-    assert f.path.stat().st_mode & 0o777 == 0o644
+    assert f.path.stat().st_mode & 0o777 == 0o600
     assert torch.equal(read_file(f), f.data)
 
 

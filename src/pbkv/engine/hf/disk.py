@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from pbkv.engine.kvfile import CorruptKV, load_kv, tensor_sha256  # noqa: F401  (re-exported)
-from pbkv.files import write_tensors
 
 FORMAT = "pbkv-kv"
 
@@ -35,8 +35,9 @@ def write_file(f: DiskFile) -> int:
     """Write `f.data` to `f.path`, setting `f.sha256`; returns the bytes of KV written."""
     data = f.data.contiguous()
     f.sha256 = tensor_sha256(data)
-    write_tensors(f.path, {"kv": data}, metadata={"format": FORMAT, "sha256": f.sha256, "tokens": str(f.tokens),
-                                                  "dtype": str(data.dtype), "shape": json.dumps(list(data.shape))})
+    # save_file's mode, 0600: a private tier's KV (users' prompts) is for this process only
+    save_file({"kv": data}, str(f.path), metadata={"format": FORMAT, "sha256": f.sha256, "tokens": str(f.tokens),
+                                                   "dtype": str(data.dtype), "shape": json.dumps(list(data.shape))})
     return data.numel() * data.element_size()
 
 

@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
+from safetensors.torch import save_file
 
 from pbkv.engine.hf.disk import CorruptKV, tensor_sha256
-from pbkv.files import write_tensors
 from pbkv.integrations.vllm.plan import Plan, tainted
 
 FORMAT = "pbkv-vllm-block"
@@ -217,7 +217,8 @@ class BlockStore:
         path = self.directory / f"r{self.rank}-{key:016x}.safetensors"
         digest = tensor_sha256(data)
         try:
-            write_tensors(path, {"kv": data.contiguous()}, metadata={"format": FORMAT, "sha256": digest})
+            # save_file's mode, 0600: this store's KV (users' prompts) is for this process only
+            save_file({"kv": data.contiguous()}, str(path), metadata={"format": FORMAT, "sha256": digest})
         except (OSError, RuntimeError, SafetensorError) as e:
             if not self.stats.write_failed:
                 log.warning("pbkv connector: disk tier write to %s failed (%s: %s); blocks that fail to be "
