@@ -46,6 +46,8 @@ CASES = [  # (id, file name, content, expected message after "NAME")
     ("version-true", "t.jsonl", f'{{"pbkv_trace": true}}\n{CALL}\n'.encode(), r":1: field 'pbkv_trace': only trace format version 1"),
     ("version-float", "t.jsonl", f'{{"pbkv_trace": 1.0}}\n{CALL}\n'.encode(), r":1: field 'pbkv_trace': only trace format version 1"),
     ("huge-int", "t.jsonl", f"{META}\n{CALL.replace('8', '9' * 5000, 1)}\n".encode(), r":2: not valid JSON \(Exceeds the limit"),
+    ("object-cut-short", "t.jsonl", f"{META}\n{CALL[:-1]}\n".encode(),   # the error is at the line's end
+     rf":2: not valid JSON \(Expecting ',' delimiter at column {len(CALL)}\)"),
     ("nul-line", "t.jsonl", f"{META}\n\0\n".encode(), r":2: not valid JSON"),
     ("utf8-bom", "t.jsonl", b"\xef\xbb\xbf" + GOOD.encode(), r":1: not valid JSON \(Unexpected UTF-8 BOM"),
     ("repeated-key", "t.jsonl", f"{META}\n{CALL[:-1]}, \"agent\": \"b\"}}\n".encode(),

@@ -119,7 +119,9 @@ def parse_json(text: str, where: str):
     try:
         if text.startswith("\ufeff"):   # as json.loads does (JSONDecoder.decode does not check)
             raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-        value = _DECODER.decode(text)
+        # without its line end: an error at the end of the line is placed there, not at
+        # "column 1" of the next line (JSON's position counts lines too)
+        value = _DECODER.decode(text.rstrip("\r\n"))
     except _RepeatedKey as e:
         raise _repeated(text, e.args[0], where) from None
     except json.JSONDecodeError as e:
