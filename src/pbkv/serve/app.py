@@ -61,6 +61,17 @@ class ServerState:
     exposition: Callable[[], Awaitable[bytes]] | None = None   # the /metrics text
     health: Callable[[], dict] | None = None                   # more /health fields
 
+    def shut_down(self) -> None:
+        """Run the `on_shutdown` steps in order, each at most once (taken off the list as it
+        runs): the lifespan's end runs them, and `server.run_server` after uvicorn returns runs
+        those a forced quit skipped. A failing step is logged and the next still runs."""
+        while self.on_shutdown:
+            fn = self.on_shutdown.pop(0)
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - run every shutdown step, report each failure
+                log.exception("shutdown step failed")
+
 
 class CountRequests:
     """Pure ASGI middleware (streams pass through untouched): counts answers by route and status.
@@ -125,7 +136,8 @@ class AnswerCancelled:
     """Pure ASGI middleware: a request cancelled before its answer started gets a 503
     `server_shutting_down` (OpenAI shape), not uvicorn's plain-text 500.
 
-    uvicorn cancels a request's task only when graceful shutdown's timeout expires (a client that
+    A request's task is cancelled only when graceful shutdown's timeout expires or at a forced
+    quit (asyncio.run's teardown) (a client that
     leaves is seen through `receive()`, never by cancellation), and the route's own cleanup has
     run by then (its job is cancelled on the engine). An answer already started cannot be
     replaced: a stream (text/event-stream) gets a last `error` event (`server_shutting_down`) and
@@ -181,12 +193,14 @@ def _hints(request: Request, body: schemas._Common) -> Hints:
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app):
-        yield
-        for fn in state.on_shutdown:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - run every shutdown step, report each failure
-                log.exception("shutdown step failed")
+        try:
+            yield
+        except asyncio.CancelledError:
+            # uvicorn's force quit (a second Ctrl-C) skips the lifespan's shutdown, and asyncio.run's
+            # teardown cancels this task: `server.run_server` runs the steps once uvicorn returned.
+            # Not re-raised: Starlette would log it as a failed shutdown, with a traceback
+            return
+        state.shut_down()
 
     app = FastAPI(title="pbkv serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.pbkv = state

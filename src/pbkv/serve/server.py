@@ -4,7 +4,9 @@
 app on a background thread, on a socket it already bound (port 0: a free loopback port, no
 race), for tests, the benchmark and the examples.
 Shutdown order: stop taking requests (uvicorn), stop the engine thread (cancels what runs, ends
-every workflow so the policy and the recorder hear it), save the predictor, close the engine.
+every workflow so the policy and the recorder hear it), save the predictor, close the engine. A
+forced quit (a second Ctrl-C) only cuts the answers in flight sooner: the later steps still run
+(`run_server`).
 """
 
 from __future__ import annotations
@@ -147,9 +149,23 @@ def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = N
     import uvicorn
     log_to_stderr(log_level)
     state = state if state is not None else build_state(cfg)
-    with stop_signals_return():
-        uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port, log_level=log_level)).run()
+    with stop_signals_return():   # the steps a forced quit left run under it too: a Ctrl-C cuts no save
+        run_server(uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port,
+                                                 log_level=log_level)), state)
     return state
+
+
+def run_server(server, state: ServerState, sockets: list[socket.socket] | None = None) -> None:
+    """Run `server` (a uvicorn.Server of `create_app(state)`) until it stops, then the shutdown
+    steps its lifespan did not run. uvicorn's force quit (a second Ctrl-C while it waits for
+    connections to close) cuts the answers in flight and skips the lifespan's shutdown; the engine
+    thread must still stop (its runs end, the policy and --record hear them; a daemon thread left
+    inside torch at exit can abort the process), the predictor be saved and the engine closed."""
+    server.run(sockets=sockets)
+    if state.on_shutdown:
+        log.warning("forced quit: the answers in flight were cut; finishing the shutdown now (engine "
+                    "thread, predictor save, engine)")
+        state.shut_down()
 
 
 @contextmanager
@@ -159,8 +175,10 @@ def stop_signals_return():
     the signal would have; `pbkv serve` has work left after that (exit 1 after a failed predictor
     save, the replicas' shutdown and hand-off with --replicas), which the re-raise skipped
     (SIGTERM killed the process, or Ray's handler exited). Handlers that do nothing are what
-    uvicorn finds; the real ones are back once it returns, so a second Ctrl-C during the
-    remaining shutdown still stops the process. Only on the main thread (where signals are)."""
+    uvicorn finds; the real ones are back once it returns, so a Ctrl-C during the remaining
+    shutdown (the replicas' with --replicas) still stops the process. uvicorn's own force quit (a
+    second Ctrl-C while it waits for connections) does not skip the app's shutdown steps
+    (`run_server`). Only on the main thread (where signals are)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -206,7 +224,7 @@ class ServerThread:
         self.url = f"http://{cfg.host}:{self.port}"
         config = uvicorn_config(self.app, cfg, log_level=log_level, lifespan="on")
         self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+        self._thread = threading.Thread(target=run_server, args=(self.server, self.state, [self.sock]),
                                         name="pbkv-uvicorn", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
