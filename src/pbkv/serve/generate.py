@@ -1,7 +1,8 @@
 """One completion request, from a validated body to a JSON answer or a server-sent-event stream.
 
-Both endpoints (chat and plain completions) go the same way: tokenize on the event loop (cheap),
-check sizes, submit a `Job` to the engine thread, then read that job's events. A client that
+Both endpoints (chat and plain completions) go the same way: the prompt ids come from a worker
+thread (`app.chat_prompt` / `app.completion_prompt`: their cost grows with the body), then, on
+the event loop, check sizes, submit a `Job` to the engine thread, read that job's events. A client that
 goes away (a stream's send fails or its task is cancelled; a plain request's connection reports
 disconnect) cancels the job: the engine stops it at the next step and frees its KV space.
 """

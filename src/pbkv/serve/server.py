@@ -11,6 +11,7 @@ forced quit (a second Ctrl-C) only cuts the answers in flight sooner: the later 
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import socket
@@ -149,10 +150,22 @@ def run(cfg: ServeConfig, log_level: str = "info", state: ServerState | None = N
     import uvicorn
     log_to_stderr(log_level)
     state = state if state is not None else build_state(cfg)
+    app = create_app(state)
+    freeze_startup_heap()
     with stop_signals_return():   # the steps a forced quit left run under it too: a Ctrl-C cuts no save
-        run_server(uvicorn.Server(uvicorn_config(create_app(state), cfg, host=cfg.host, port=cfg.port,
-                                                 log_level=log_level)), state)
+        run_server(uvicorn.Server(uvicorn_config(app, cfg, host=cfg.host, port=cfg.port, log_level=log_level)), state)
     return state
+
+
+def freeze_startup_heap() -> None:
+    """Leave what start-up built (model, torch, transformers: ~370,000 objects, alive until exit
+    anyway) out of the garbage collector's full passes. Each pass over them took ~0.27 s holding
+    the GIL, so the event loop and the engine thread stopped; a body of many small JSON values (1
+    MB of one-letter messages) set off one or two, even parsed on a worker thread. Collected
+    first, so no garbage is kept. For the process's one foreground server (`run`), not for
+    `ServerThread`: a test process starts and drops many servers, whose cycles would be kept."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_server(server, state: ServerState, sockets: list[socket.socket] | None = None) -> None:
