@@ -238,3 +238,20 @@ def test_bench_serve_refuses_an_output_it_cannot_write_before_starting_ray(tmp_p
         with pytest.raises(SystemExit) as e:
             bench_serve.main(["--out", str(out)])
         assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_serve_writes_its_rows_into_a_folder_it_makes(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace as NS
+
+    import pytest
+    pytest.importorskip("ray")
+    import pbkv.scale.bench_serve as bench_serve
+    monkeypatch.setattr(bench_serve, "start_ray", lambda *a, **k: None)
+    monkeypatch.setattr(bench_serve, "workloads", lambda args: {"w": NS(calls=[])})
+    monkeypatch.setattr(bench_serve, "run_cfg", lambda *a, **k: None)
+    monkeypatch.setattr(bench_serve, "run_one", lambda cfg, router, trace, args: {"router": router})
+    out = tmp_path / "results" / "rows.jsonl"   # results/ does not exist yet
+    bench_serve.main(["--out", str(out), "--overhead-clients", "0", "--routers", "pbkv,prefix"])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {"workload": "w", "router": "pbkv"}, {"workload": "w", "router": "prefix"}]

@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from pbkv.cache import CacheConfig
-from pbkv.files import check_output_file
+from pbkv.files import check_output_file, replaced_on_success
 from pbkv.scale.serve_app import ReplicaOptions, ReplicaServer, default_router_config, start_ray
 from pbkv.serve import ServeConfig
 from pbkv.serve.metrics import parse
@@ -194,8 +194,8 @@ def main(argv=None) -> None:
         for row in routing_overhead(routers, args.overhead_clients):
             rows.append({"workload": "overhead"} | row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.out:   # its folder made, the file whole or not at all, as every pbkv output
+        with replaced_on_success(args.out) as tmp, open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
