@@ -176,8 +176,8 @@ def run_server(server, state: ServerState, sockets: list[socket.socket] | None =
     inside torch at exit can abort the process), the predictor be saved and the engine closed."""
     server.run(sockets=sockets)
     if state.on_shutdown:
-        log.warning("forced quit: the answers in flight were cut; finishing the shutdown now (engine "
-                    "thread, predictor save, engine)")
+        log.warning("the server stopped without its shutdown steps (a forced quit, or a stop during "
+                    "start-up): running them now (engine thread, predictor save, engine)")
         state.shut_down()
 
 
