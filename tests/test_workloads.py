@@ -443,6 +443,25 @@ def test_expressions_refuse_long_sequences_before_building_them():
     assert compile_expr("0 if step < 9 else 'a' + 1", ns, scalars=("step",))(env) == 0
 
 
+def test_expressions_count_nested_list_items_toward_the_bound():
+    # only the top level was counted: `[[[1] * 1000] * 1000] * 1000` passed as 1000 items, and
+    # comparing two of them (or hashing one as a visits key) walked 1e9 items: a hang
+    ns = {"visits": ["a"]}
+    env = {"visits": {"a": 9}, "step": 2}
+    assert compile_expr("[[1] * 9] * 100 == [[1] * 9] * 100", ns)(env) is True  # (1 + 9) * 100: the bound
+    t0 = time.perf_counter()
+    for src, n in [("[[1] * 10] * 100", 1100), ("[[]] * 1001", 1001), ("[[1] * 1000] * 1000", 1001000),
+                   ("([[[[1]*1000]*1000]*1000]*1000 == [[[[1]*1000]*1000]*1000]*1000) * 0.5", 1001000),
+                   ("[['ab'] * 600] + [[1] * 600]", 1202)]:
+        with pytest.raises(ExprError, match=rf"would build a sequence of {n} items \(at most 1000\)"):
+            compile_expr(src, ns)  # constants: refused when the spec loads
+    late = compile_expr("step in [[1] * visits.a] * 100", ns, scalars=("step",))
+    assert late(env) is False
+    with pytest.raises(ExprError, match=r"at column 9: .* would build a sequence of 1200 items"):
+        late({**env, "visits": {"a": 11}})
+    assert time.perf_counter() - t0 < 0.5
+
+
 @pytest.mark.parametrize("p", ["1" + "0" * 400, "(step + 1) * 1" + "0" * 400, "1e308 * 10"])
 def test_a_p_evaluating_past_a_float_is_an_error_naming_the_transition(p):
     # 10**400 compares below inf but overflowed the sum of the list (OverflowError)

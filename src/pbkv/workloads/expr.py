@@ -15,7 +15,8 @@ Invariants of a compiled `Expr`:
 - a comparison of `ns.key` (or a scalar) with a constant uses a constant from that reference's
   allowed values, when the caller provides them (catches typos such as `task.evidence == 'nosiy'`);
 - evaluating it never mutates the environment;
-- a string or list it builds with `+` or `*` has at most MAX_ITEMS items: a longer one is refused
+- a string or list it builds with `+` or `*` has at most MAX_ITEMS items, the items of nested lists
+  counted too (so comparing, hashing or `min` over it stays bounded): a larger one is refused
   before it is built (when the operands are constants, already at compile time).
 Values shown in error messages are cut to SHOW_WIDTH characters (`show`).
 An expression has at most MAX_SOURCE characters and MAX_DEPTH levels of nesting, so parsing,
@@ -82,14 +83,30 @@ def _repr_pieces(v: object, width: int) -> Iterator[str]:
         yield repr(v)
 
 
+def _size(v: object) -> int:
+    """The items `v` holds at every level: a string's characters; a list's items plus the size of
+    each item that is itself a list (`((1, 2), 3)`: its 2 items + the 2 of `(1, 2)` = 4; `(('',),)`
+    counts 2, so a list of empty lists is no loophole). A scalar holds none.
+
+    Walks only what an expression built, which this bound keeps small (a list literal holds at
+    most what its source text spells, each `+`/`*` result at most MAX_ITEMS)."""
+    if isinstance(v, str):
+        return len(v)
+    if isinstance(v, tuple):
+        return len(v) + sum(_size(x) for x in v if isinstance(x, tuple))
+    return 0
+
+
 def _built_length(op: Callable, a: object, b: object) -> int | None:
-    """How many items `op(a, b)` would build: + or * on strings or lists; None for anything else."""
+    """How many items `op(a, b)` would build, nested lists counted in full (`_size`): + or * on
+    strings or lists; None for anything else. Counting only the top level let `[[[1] * 1000] * 1000]
+    * 1000` pass as 1000 items while comparing or hashing it walks 1e9."""
     if op is operator.add and isinstance(a, _SEQUENCES) and type(a) is type(b):
-        return len(a) + len(b)
+        return _size(a) + _size(b)
     if op is operator.mul and isinstance(a, _SEQUENCES) and isinstance(b, int):
-        return len(a) * max(b, 0)
+        return _size(a) * max(b, 0)
     if op is operator.mul and isinstance(b, _SEQUENCES) and isinstance(a, int):
-        return len(b) * max(a, 0)
+        return _size(b) * max(a, 0)
     return None
 
 
