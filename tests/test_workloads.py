@@ -363,6 +363,9 @@ def set_p(i, p):
     (lambda d: d.update(preamble=100_001), "preamble:"),
     (set_p(0, "[1] * 100000000"), "flow.transitions.verifier[0].p: at column 1: '[1] * 100000000' would build "
                                   "a sequence of 100000000 items (at most 1000)"),
+    # a function used as a namespace is called a function, not an unknown name
+    (set_p(0, "min.real"), "verifier[0].p: at column 1: 'min' is a function: call it, e.g. min(a, b)"),
+    (set_p(0, "max['x'] + 1"), "verifier[0].p: at column 1: 'max' is a function: call it, e.g. max(a, b)"),
     (lambda d: d["agents"]["planner"].update(propmt=5), "agents.planner.propmt: unknown field"),
     (lambda d: d["agents"]["judge"].update(sees=["planer"]), "agents.judge.sees[0]: unknown agent 'planer'"),
     (lambda d: d["agents"]["judge"].update(draw=["topic"]), "agents.judge.draw[0]: unknown turn variable 'topic'"),

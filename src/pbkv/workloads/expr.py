@@ -110,6 +110,11 @@ def _built_length(op: Callable, a: object, b: object) -> int | None:
     return None
 
 
+def _call_it(name: str) -> str:
+    """The error for a function used as a value (`min`, `min.real`, `max['x']`)."""
+    return f"'{name}' is a function: call it, e.g. {name}(a, b)"
+
+
 class Expr:
     """A compiled expression: call it with an environment dict (namespace name -> dict or scalar)."""
 
@@ -205,10 +210,12 @@ class _Builder:
         if name in self.dicts:
             self.fail(node, f"'{name}' is a namespace: use {name}.NAME or {name}['NAME']")
         if name in FUNCTIONS:
-            self.fail(node, f"'{name}' is a function: call it, e.g. {name}(a, b)")
+            self.fail(node, _call_it(name))
         self.fail(node, f"unknown name '{name}' (allowed: {self.allowed_names()})")
 
     def _namespace(self, node: ast.AST) -> str:
+        if isinstance(node, ast.Name) and node.id in FUNCTIONS and node.id not in self.dicts:
+            self.fail(node, _call_it(node.id))  # `min.real`: min is no unknown name, it is a function
         if isinstance(node, ast.Name) and node.id not in self.dicts and node.id not in self.scalars:
             self.fail(node, f"unknown name '{node.id}' (allowed: {self.allowed_names()})")
         if not isinstance(node, ast.Name) or node.id not in self.dicts:
