@@ -41,7 +41,7 @@ from typing import Any, Iterator
 from pbkv.trace.call import Call, Trace, TraceMeta
 from pbkv.trace.io import is_number
 from pbkv.workloads.expr import Expr, ExprError, show
-from pbkv.workloads.spec import END, MAX_PROMPT_TOKENS, START, VarSpec, WorkflowSpec
+from pbkv.workloads.spec import END, MAX_PROMPT_TOKENS, MAX_TRACE_IDS, START, VarSpec, WorkflowSpec
 from pbkv.workloads.spec_files import SpecError, load_spec, spec_source
 
 
@@ -58,14 +58,31 @@ class Run:
 
 def generate(spec: WorkflowSpec | str | Path, workflows: int, seed: int = 0, source: str | None = None) -> Trace:
     """`workflows` workflows of `spec` (a spec, built-in name or file) as one trace, ordered by workflow
-    then step. An error of generation names `source` (default: the file a name or path reads)."""
+    then step. An error of generation names `source` (default: the file a name or path reads).
+    A trace that could hold more than MAX_TRACE_IDS hash ids is refused before any is generated."""
     if not isinstance(spec, WorkflowSpec):
         source = source or spec_source(spec)
         spec = load_spec(spec)
+    _check_trace_size(spec, workflows, source)
     calls = [c for run in runs(spec, workflows, seed, source) for c in run.calls]
     meta = TraceMeta(block_size=spec.block_size, source=f"pbkv gen {spec.name} seed={seed}",
                      notes=f"{workflows} synthetic '{spec.name}' workflows. {spec.description}".strip())
     return Trace(meta=meta, calls=calls)
+
+
+def _check_trace_size(spec: WorkflowSpec, workflows: int, source: str | None) -> None:
+    """A SpecError unless `workflows` workflows hold at most MAX_TRACE_IDS hash ids at worst.
+
+    `generate` keeps every workflow's calls in memory until the trace is written, so a spec within
+    the per-workflow bound (MAX_WORKFLOW_IDS) could still exhaust memory with enough workflows (a
+    MemoryError traceback after minutes); refusing before the first workflow costs nothing."""
+    each = spec.worst_ids()
+    total = max(workflows, 0) * each
+    if total > MAX_TRACE_IDS:
+        where = f"{source}: " if source else ""
+        raise SpecError(f"{where}{workflows:,} workflows could hold {total:,} hash ids ({each:,} each at worst), "
+                        f"more than {MAX_TRACE_IDS:,} in one trace; lower --workflows (at most "
+                        f"{MAX_TRACE_IDS // each:,} here), or flow.max_steps or the token counts")
 
 
 def runs(spec: WorkflowSpec, workflows: int, seed: int = 0, source: str | None = None) -> Iterator[Run]:
