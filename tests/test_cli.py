@@ -184,6 +184,18 @@ def test_a_failed_json_write_says_so_once(tmp_path):
     assert said.count("cannot write") == 1 and said.startswith(f"{tmp_path / 'f' / 'x.json'}: cannot write ("), said
 
 
+def test_bench_json_refuses_a_non_finite_figure(tmp_path):
+    # waits summing to inf gave NaN latencies, written as `NaN` (invalid JSON) with exit 0
+    from pbkv.bench.report import write_json
+    path = tmp_path / "bench.json"
+    with pytest.raises(ValueError) as e:
+        write_json([{"workload": "w", "latency": {"p50": 1.0, "mean": float("nan")}}], path, finite=True)
+    assert str(e.value) == (f"{path}: not written: [0].latency.mean is nan, not a finite number "
+                            f"(JSON has no NaN or infinity)") and not path.exists()
+    write_json([{"n": 10**400, "s": "nan", "x": None, "ok": 1.5}], path, finite=True)  # all finite: written
+    assert json.loads(path.read_text())[0]["ok"] == 1.5
+
+
 def test_a_split_that_would_leave_a_part_empty_is_an_error(tmp_path):
     one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     assert invoke("gen", "finance", "--workflows", 1, "-o", one).exit_code == 0

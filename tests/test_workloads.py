@@ -361,6 +361,9 @@ def set_p(i, p):
     (lambda d: d["agents"]["retriever"]["tool"].update(tokens=10**11),
      "agents.retriever.tool.tokens: expected at most 100000 tokens (got 100000000000)"),
     (lambda d: d.update(preamble=100_001), "preamble:"),
+    # a wait is at most a day (1e308-s waits summed to inf: NaN latencies in bench.json)
+    (lambda d: d["agents"]["retriever"]["tool"].update(wait=[1e308, 1.7e308]),
+     "hover.yaml: agents.retriever.tool.wait: expected at most 86400 s (got [1e+308, 1.7e+308])"),
     (set_p(0, "[1] * 100000000"), "flow.transitions.verifier[0].p: at column 1: '[1] * 100000000' would build "
                                   "a sequence of 100000000 items (at most 1000)"),
     # a function used as a namespace is called a function, not an unknown name
@@ -386,6 +389,8 @@ def test_token_counts_at_the_bound_are_accepted():
     spec = parse_spec(mutate(lambda d: (d["agents"]["planner"].update(prompt=100_000, output=100_000),
                                         d["task"].update(tokens=[1, 100_000]))), "hover.yaml")
     assert spec.agents["planner"].output == (100_000, 100_000) and spec.task.tokens == (1, 100_000)
+    assert parse_spec(mutate(lambda d: d["agents"]["retriever"]["tool"].update(wait=86_400))
+                      ).agents["retriever"].tool.wait == (86_400.0, 86_400.0)  # a day: the bound on a wait
 
 
 def test_load_spec_errors(tmp_path):

@@ -187,7 +187,7 @@ def run(args: BenchArgs, console: Console) -> list[dict]:
     # OUT/bench.json always (beside the plots, so no earlier run's figures stay next to them), and
     # --json too when given
     earlier = earlier_plots(args.out)   # an earlier run's plots in OUT, by its bench.json
-    paths = [write_json(records, p) for p in dict.fromkeys([args.out / "bench.json", args.json_path]) if p]
+    paths = [write_json(records, p, finite=True) for p in dict.fromkeys([args.out / "bench.json", args.json_path]) if p]
     plots = write_plots(records, args.out)
     removed = remove_plots(earlier, plots)
     if partial is not None:
@@ -222,7 +222,7 @@ class Partial:
             remove_plots(earlier_plots(self.out), keep=[])
             (self.out / "bench.json").unlink(missing_ok=True)
         self.records.append(record)
-        write_json(finish_records(self.records), self.path)
+        write_json(finish_records(self.records), self.path, finite=True)
 
 
 def start_partial(args: BenchArgs) -> Partial:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -178,12 +179,30 @@ def print_whole(console: Console, table: Table) -> None:
         console.width = width
 
 
-def write_json(data, path: Path) -> Path:
+def write_json(data, path: Path, finite: bool = False) -> Path:
     """Write `data` as indented JSON (numpy scalars as floats); the file appears whole or not at
-    all (a killed run leaves no half JSON)."""
+    all (a killed run leaves no half JSON). `finite` (bench.json): a NaN or infinity is a
+    ValueError naming the file and the figure, not a `NaN` that strict JSON readers reject."""
+    if finite and (where := _non_finite(data)) is not None:
+        raise ValueError(f"{path}: not written: {where[0]} is {where[1]}, not a finite number "
+                         f"(JSON has no NaN or infinity)")
     with _naming(path), replaced_on_success(path) as tmp:
         tmp.write_text(json.dumps(data, indent=1, default=float) + "\n")
     return path
+
+
+def _non_finite(data, where: str = "") -> tuple[str, float] | None:
+    """(path such as `[3].mean_workflow_latency_s`, value) of the first NaN or infinity in `data`."""
+    if isinstance(data, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in data.items())
+    elif isinstance(data, (list, tuple)):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(data))
+    else:
+        try:
+            return None if math.isfinite(data) else (where or "the value", float(data))
+        except (TypeError, OverflowError):  # a string, None; an int too large for a float is exact JSON
+            return None
+    return next(filter(None, (_non_finite(v, w) for w, v in items)), None)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
   may also be END; no agent is called END or START;
 - every name in an agent's `draw` is a turn variable; `persist` is set only on turn variables;
 - ranges have lo <= hi; token counts (prompt, output, task and tool tokens) are 1..MAX_TOKENS, the
-  preamble 0..MAX_TOKENS; waits are >= 0;
+  preamble 0..MAX_TOKENS; waits are 0..MAX_WAIT_SECONDS (a day);
 - a variable's values are distinct scalars; its weights match them in number, are numbers >= 0
   and sum to > 0; its noise and persist are numbers from 0 to 1 (never a boolean or a string:
   YAML reads `noise: yes` as True); its `words` (if any) give a non-empty list for every value,
@@ -58,6 +58,10 @@ MAX_WORKFLOW_IDS = 20_000_000
 # MAX_WORKFLOW_IDS would need 16 GB. 500 million ids are about 4 GB of lists; a worst case this
 # large is far above what the built-ins need (swe, the largest, reaches it at 3,100 workflows).
 MAX_TRACE_IDS = 500_000_000
+# The longest tool wait a spec may give, in seconds (a day). Waits add up along a workflow and
+# into the simulator's clock: unbounded ones (a unit slip such as `wait: 1e308`) summed to inf and
+# bench reported NaN latencies; no agent's tool waits a day between two calls.
+MAX_WAIT_SECONDS = 86_400
 # ---------------------------------------------------------------- field types
 
 _number = is_number   # an integer too large for a float (10**400: YAML and JSON read it exactly) is not one
@@ -110,7 +114,7 @@ def _start(v: Any) -> Any:
 
 
 Tokens = Annotated[tuple[int, int], _range(True, 1, MAX_TOKENS, " tokens")]
-Seconds = Annotated[tuple[float, float], _range(False, 0)]
+Seconds = Annotated[tuple[float, float], _range(False, 0, MAX_WAIT_SECONDS, " s")]
 Prob = Annotated[float | str, BeforeValidator(_prob)]
 Fraction = Annotated[float, BeforeValidator(_fraction)]
 Weight = Annotated[float, BeforeValidator(_weight)]
