@@ -253,29 +253,27 @@ def test_a_workflow_that_could_need_too_many_hash_ids_is_refused_at_load():
         parse_spec(spec)
 
 
-def test_a_trace_that_could_need_too_many_hash_ids_is_refused_before_generating(tmp_path, monkeypatch):
-    # each workflow within MAX_WORKFLOW_IDS (10,005,050 ids), but gen keeps every workflow until it
-    # writes: its default 100 workflows needed ~8 GB (a MemoryError traceback under a 4 GB limit)
+def test_a_trace_that_grows_past_the_hash_id_bound_is_refused_naming_the_spec(tmp_path, monkeypatch):
+    # gen keeps every workflow until it writes: 100 workflows of 100 calls of 100,000-token prompts
+    # in blocks of 1 needed ~8 GB (a MemoryError traceback under a 4 GB limit); here the bound is
+    # lowered so that the third workflow of 13 ids each passes it
     from typer.testing import CliRunner
 
     from pbkv.cli import app
     gen_mod = sys.modules["pbkv.workloads.generate"]  # the module: pbkv.workloads.generate is the function
-
-    def no_generating(*a, **k):
-        raise AssertionError("workflows were generated before the trace's size was checked")
-    monkeypatch.setattr(gen_mod, "runs", no_generating)
-    spec = {"name": "big", "block_size": 1, "agents": {"a": {"prompt": 100_000, "output": 1}},
-            "task": {"tokens": 1}, "flow": {"start": "a", "max_steps": 100, "transitions": {"a": [{"to": "a"}]}}}
+    monkeypatch.setattr(gen_mod, "MAX_TRACE_IDS", 30)
+    spec = {"name": "big", "block_size": 1, "agents": {"a": {"prompt": 5, "output": 1}},
+            "task": {"tokens": 1}, "flow": {"start": "a", "max_steps": 2, "transitions": {"a": [{"to": "a"}]}}}
     path = write(tmp_path, "big.yaml", yaml.safe_dump(spec))
-    expected = (f"{path}: 100 workflows could hold 1,000,505,000 hash ids (10,005,050 each at worst), more than "
-                f"500,000,000 in one trace; lower --workflows (at most 49 here), or flow.max_steps or the token counts")
+    assert [len(c.hash_ids) for c in generate(path, 1).calls] == [6, 7]   # 13 ids a workflow: 2 fit
+    expected = (f"{path}: the trace would hold more than 30 hash ids (about 2 GB, held until written) after 3 of "
+                f"100 workflows; lower --workflows, or flow.max_steps or the token counts")
     with pytest.raises(SpecError) as err:
         generate(path, 100)
     assert str(err.value) == expected
     r = CliRunner().invoke(app, ["gen", "--spec", str(path), "-o", str(tmp_path / "o.jsonl")])  # gen's default: 100
     assert r.exit_code == 2 and " ".join(r.output.split()) == f"error: {expected}", r.output
-    monkeypatch.setattr(gen_mod, "runs", lambda *a, **k: iter(()))
-    assert generate(path, 49).calls == []  # 490,247,450 ids at worst: within the bound
+    assert len(generate(path, 2).calls) == 4
 
 
 @pytest.mark.parametrize("name, text", [("big.yaml", "name: x\nblock_size: " + "1" * 5000 + "\n"),

@@ -59,30 +59,29 @@ class Run:
 def generate(spec: WorkflowSpec | str | Path, workflows: int, seed: int = 0, source: str | None = None) -> Trace:
     """`workflows` workflows of `spec` (a spec, built-in name or file) as one trace, ordered by workflow
     then step. An error of generation names `source` (default: the file a name or path reads).
-    A trace that could hold more than MAX_TRACE_IDS hash ids is refused before any is generated."""
+    A trace is held whole until written: one that grows past MAX_TRACE_IDS hash ids is refused
+    then (a SpecError), not left to exhaust memory."""
     if not isinstance(spec, WorkflowSpec):
         source = source or spec_source(spec)
         spec = load_spec(spec)
-    _check_trace_size(spec, workflows, source)
-    calls = [c for run in runs(spec, workflows, seed, source) for c in run.calls]
+    calls, held = [], 0
+    for i, run in enumerate(runs(spec, workflows, seed, source)):
+        held += sum(len(c.hash_ids) for c in run.calls)
+        if held > MAX_TRACE_IDS:
+            _too_large(source, i + 1, workflows)
+        calls.extend(run.calls)
     meta = TraceMeta(block_size=spec.block_size, source=f"pbkv gen {spec.name} seed={seed}",
                      notes=f"{workflows} synthetic '{spec.name}' workflows. {spec.description}".strip())
     return Trace(meta=meta, calls=calls)
 
 
-def _check_trace_size(spec: WorkflowSpec, workflows: int, source: str | None) -> None:
-    """A SpecError unless `workflows` workflows hold at most MAX_TRACE_IDS hash ids at worst.
-
-    `generate` keeps every workflow's calls in memory until the trace is written, so a spec within
-    the per-workflow bound (MAX_WORKFLOW_IDS) could still exhaust memory with enough workflows (a
-    MemoryError traceback after minutes); refusing before the first workflow costs nothing."""
-    each = spec.worst_ids()
-    total = max(workflows, 0) * each
-    if total > MAX_TRACE_IDS:
-        where = f"{source}: " if source else ""
-        raise SpecError(f"{where}{workflows:,} workflows could hold {total:,} hash ids ({each:,} each at worst), "
-                        f"more than {MAX_TRACE_IDS:,} in one trace; lower --workflows (at most "
-                        f"{MAX_TRACE_IDS // each:,} here), or flow.max_steps or the token counts")
+def _too_large(source: str | None, done: int, workflows: int):
+    """Counted, not bounded by the worst case: a spec's worst case (`worst_ids`) is far above what
+    its workflows hold (swe's would refuse 3,200 workflows that need a tenth of the bound)."""
+    where = f"{source}: " if source else ""
+    raise SpecError(f"{where}the trace would hold more than {MAX_TRACE_IDS:,} hash ids (about 2 GB, held "
+                    f"until written) after {done:,} of {workflows:,} workflows; lower --workflows, or "
+                    f"flow.max_steps or the token counts")
 
 
 def runs(spec: WorkflowSpec, workflows: int, seed: int = 0, source: str | None = None) -> Iterator[Run]:

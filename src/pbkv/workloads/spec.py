@@ -20,8 +20,7 @@ Invariants of a `WorkflowSpec`, however it was built (checked at construction, n
   is an error when a workflow is generated: every workflow needs a first agent);
 - one workflow holds at most MAX_WORKFLOW_IDS hash ids however its draws fall (`worst_ids`: every
   call at the longest prompt it could have, up to MAX_PROMPT_TOKENS, for flow.max_steps calls);
-  a trace of N workflows may hold at most MAX_TRACE_IDS at worst (N x `worst_ids`, checked by
-  `generate` before it starts: lower --workflows);
+  a generated trace may hold at most MAX_TRACE_IDS (counted by `generate` as it goes);
 - every `p` is a number >= 0, `rest` (at most one per list: 1 - the sum of the others, floored at
   0), or an expression that parses and reads only known names (`task.*`, `turn.*`, `visits.*` with
   existing keys, `step`, `last`, `min`, `max`).
@@ -53,11 +52,11 @@ MAX_PROMPT_TOKENS = 1_000_000
 # every call keeps its own list, so 100,000 calls of 100,000-token prompts in blocks of 1 would be
 # 1.5e10 ids, hundreds of GB. 20 million ids are about 160 MB of lists.
 MAX_WORKFLOW_IDS = 20_000_000
-# The most hash ids one generated trace may hold at worst (workflows x `worst_ids`): the generator
-# keeps every workflow's calls until the trace is written, so 100 workflows each near
-# MAX_WORKFLOW_IDS would need 16 GB. 500 million ids are about 4 GB of lists; a worst case this
-# large is far above what the built-ins need (swe, the largest, reaches it at 3,100 workflows).
-MAX_TRACE_IDS = 500_000_000
+# The most hash ids one generated trace may hold: the generator keeps every workflow's calls until
+# the trace is written, so 100 workflows each near MAX_WORKFLOW_IDS would need tens of GB. A trace
+# takes ~18 bytes per id (400 swe workflows: 1.64 million ids, 29 MB), so 100 million are ~2 GB:
+# about 24,000 swe workflows, 12x what bench trains its predictors on.
+MAX_TRACE_IDS = 100_000_000
 # The longest tool wait a spec may give, in seconds (a day). Waits add up along a workflow and
 # into the simulator's clock: unbounded ones (a unit slip such as `wait: 1e308`) summed to inf and
 # bench reported NaN latencies; no agent's tool waits a day between two calls.
