@@ -266,14 +266,29 @@ def test_a_trace_that_grows_past_the_hash_id_bound_is_refused_naming_the_spec(tm
             "task": {"tokens": 1}, "flow": {"start": "a", "max_steps": 2, "transitions": {"a": [{"to": "a"}]}}}
     path = write(tmp_path, "big.yaml", yaml.safe_dump(spec))
     assert [len(c.hash_ids) for c in generate(path, 1).calls] == [6, 7]   # 13 ids a workflow: 2 fit
-    expected = (f"{path}: the trace would hold more than 30 hash ids (about 2 GB, held until written) after 3 of "
-                f"100 workflows; lower --workflows, or flow.max_steps or the token counts")
+    expected = (f"{path}: the trace would hold more than 30 hash ids (about 4 GB, held until written) after 3 of "
+                f"100 workflows; ask for fewer workflows, or lower flow.max_steps or the token counts")
     with pytest.raises(SpecError) as err:
         generate(path, 100)
     assert str(err.value) == expected
     r = CliRunner().invoke(app, ["gen", "--spec", str(path), "-o", str(tmp_path / "o.jsonl")])  # gen's default: 100
     assert r.exit_code == 2 and " ".join(r.output.split()) == f"error: {expected}", r.output
     assert len(generate(path, 2).calls) == 4
+
+
+def test_a_training_trace_past_the_bound_is_named_as_the_one_bench_trains_on(tmp_path, monkeypatch):
+    # bench trains on at least TRAIN_WORKFLOWS workflows whatever --workflows: "fewer workflows" alone misled
+    from types import SimpleNamespace as NS
+
+    from pbkv.bench.predictors import TRAIN_WORKFLOWS, training_trace
+    monkeypatch.setattr(sys.modules["pbkv.workloads.generate"], "MAX_TRACE_IDS", 30)
+    spec = parse_spec({"name": "big", "block_size": 1, "agents": {"a": {"prompt": 5, "output": 1}},
+                       "task": {"tokens": 1}, "flow": {"start": "a", "max_steps": 2, "transitions": {"a": [{"to": "a"}]}}})
+    with pytest.raises(SpecError) as err:
+        training_trace(NS(spec=spec, workflows=30, seed=0))
+    assert str(err.value).startswith(f"the trace pbkv trains its predictor on ({TRAIN_WORKFLOWS:,} workflows of the "
+                                     f"spec, seed 1: at least {TRAIN_WORKFLOWS:,} whatever --workflows): the trace would")
+    assert str(err.value).endswith("; or give --train FILE or --predictor DIR")
 
 
 @pytest.mark.parametrize("name, text", [("big.yaml", "name: x\nblock_size: " + "1" * 5000 + "\n"),

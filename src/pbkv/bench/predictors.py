@@ -230,8 +230,14 @@ def _check_replaceable(folder: Path) -> None:
 
 def training_trace(source):
     """The generator's workflows under another seed: the same workload, never the replayed runs."""
-    from pbkv.workloads import generate
-    return generate(source.spec, max(source.workflows, TRAIN_WORKFLOWS), source.seed + 1)
+    from pbkv.workloads import SpecError, generate
+    n = max(source.workflows, TRAIN_WORKFLOWS)
+    try:
+        return generate(source.spec, n, source.seed + 1)
+    except SpecError as e:   # the user asked for fewer workflows than this: say which trace it is
+        raise SpecError(f"the trace pbkv trains its predictor on ({n:,} workflows of the spec, seed "
+                        f"{source.seed + 1}: at least {TRAIN_WORKFLOWS:,} whatever --workflows): {e}; "
+                        f"or give --train FILE or --predictor DIR") from None
 
 
 def _train_and_save(data, variant, psrc: PredictorSource, folder, progress) -> str:

@@ -79,9 +79,9 @@ def _too_large(source: str | None, done: int, workflows: int):
     """Counted, not bounded by the worst case: a spec's worst case (`worst_ids`) is far above what
     its workflows hold (swe's would refuse 3,200 workflows that need a tenth of the bound)."""
     where = f"{source}: " if source else ""
-    raise SpecError(f"{where}the trace would hold more than {MAX_TRACE_IDS:,} hash ids (about 2 GB, held "
-                    f"until written) after {done:,} of {workflows:,} workflows; lower --workflows, or "
-                    f"flow.max_steps or the token counts")
+    raise SpecError(f"{where}the trace would hold more than {MAX_TRACE_IDS:,} hash ids (about 4 GB, held "
+                    f"until written) after {done:,} of {workflows:,} workflows; ask for fewer workflows, or "
+                    f"lower flow.max_steps or the token counts")
 
 
 def runs(spec: WorkflowSpec, workflows: int, seed: int = 0, source: str | None = None) -> Iterator[Run]:

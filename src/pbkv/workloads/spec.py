@@ -54,9 +54,10 @@ MAX_PROMPT_TOKENS = 1_000_000
 MAX_WORKFLOW_IDS = 20_000_000
 # The most hash ids one generated trace may hold: the generator keeps every workflow's calls until
 # the trace is written, so 100 workflows each near MAX_WORKFLOW_IDS would need tens of GB. A trace
-# takes ~18 bytes per id (400 swe workflows: 1.64 million ids, 29 MB), so 100 million are ~2 GB:
-# about 24,000 swe workflows, 12x what bench trains its predictors on.
-MAX_TRACE_IDS = 100_000_000
+# takes ~18 bytes per id (400 swe workflows: 1.64 million ids, 29 MB), so 200 million are ~4 GB:
+# about 49,000 swe workflows, or bench's 2,000 training workflows of a spec with 100,000-token
+# prompts in blocks of 1 (what a spec may ask; 1.4 GB was measured for 60,000-token ones).
+MAX_TRACE_IDS = 200_000_000
 # The longest tool wait a spec may give, in seconds (a day). Waits add up along a workflow and
 # into the simulator's clock: unbounded ones (a unit slip such as `wait: 1e308`) summed to inf and
 # bench reported NaN latencies; no agent's tool waits a day between two calls.
