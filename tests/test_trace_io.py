@@ -94,6 +94,7 @@ def test_gzip_output_is_byte_identical(tmp_path):
     ([META, call(hash_ids=[1, "x", 3])], r"field 'hash_ids': expected a list of integers"),
     ([META, call(t=-1)], r"field 't': expected a finite number >= 0, got -1"),
     ([META, call(tool_wait="soon")], r"field 'tool_wait': expected a finite number >= 0, got 'soon'"),
+    ([META, call(tool_wait=1e308)], r"field 'tool_wait': expected at most 1,000,000,000 \(seconds\), got 1e\+308"),
     # a JSON integer too large for a float: an error, not an OverflowError
     ([META, call(t=10**400)], r"t.jsonl:2: field 't': expected a finite number >= 0, got 1000000000"),
     ([META, call(tool_wait=10**400)], r"t.jsonl:2: field 'tool_wait': expected a finite number >= 0, got 1000"),

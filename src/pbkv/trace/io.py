@@ -25,6 +25,9 @@ META_FIELDS = ("block_size", "source", "license", "notes")
 # context any model serves, and exact as a float, so every figure computed from lengths (means,
 # percentiles, costs) is a finite number; a JSON integer may otherwise be of any size (10**400).
 MAX_LENGTH = 1_000_000_000
+# The longest `tool_wait` (seconds, ~32 years): a larger one is a unit slip, and waits add up along
+# a workflow into the replay's clock, where 1e308 + 1e308 is inf (NaN latencies in every figure).
+MAX_TOOL_WAIT = 1_000_000_000
 
 
 @contextmanager
@@ -101,12 +104,14 @@ class RowChecker:
             self.fail(field, "expected a non-empty string" if nonempty else "expected a string")
         return v
 
-    def float_field(self, field: str):
+    def float_field(self, field: str, most: float | None = None):
         if field not in self.obj:
             return None
         v = self.obj[field]
         if not is_number(v) or v < 0:
             self.fail(field, "expected a finite number >= 0")
+        if most is not None and v > most:
+            self.fail(field, f"expected at most {most:,} (seconds)")
         return float(v)
 
 
@@ -164,7 +169,7 @@ def parse_call(obj: dict, where: str, block_size: int) -> Call:
         chk.fail("done", "expected true or false")
     context = chk.str_field("context", required=False, nonempty=False)
     workload = chk.str_field("workload", required=False)
-    t, tool_wait = chk.float_field("t"), chk.float_field("tool_wait")
+    t, tool_wait = chk.float_field("t"), chk.float_field("tool_wait", MAX_TOOL_WAIT)
     extra = check_extra(chk, {k: v for k, v in obj.items() if k not in CALL_FIELDS})  # checked last
     return Call(workflow_id=wf, step=step, agent=agent, input_length=input_length,
                 output_length=output_length, hash_ids=hash_ids, workload=workload,
