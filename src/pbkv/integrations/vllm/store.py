@@ -40,12 +40,12 @@ from pbkv.engine.hf.disk import CorruptKV, tensor_sha256
 from pbkv.integrations.vllm.plan import Plan, tainted
 
 FORMAT = "pbkv-vllm-block"
+log = logging.getLogger("pbkv.vllm")
 
 
 class MissingKV(CorruptKV):
     """A planned read of a key the store holds no file of (never written, or its write failed):
     counted as `missing` only, not as `corrupt` (no file was damaged)."""
-log = logging.getLogger("pbkv.vllm")
 
 
 @dataclass
